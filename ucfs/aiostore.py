@@ -1,0 +1,87 @@
+"""The trio face of a `Store`: every call runs in a worker thread, never on the event loop.
+
+All store calls of a mount go through one named `CapacityLimiter` sized like the store's connection
+pool, so threads never queue for a socket and the number of threads stays bounded. Local disk I/O has
+its own limiter (`disk_limiter`) so a slow store never starves cache reads, and vice versa.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, TypeVar
+
+import trio
+
+from .store import ListPage, ObjectInfo, Store, Upload
+
+T = TypeVar("T")
+
+
+class AsyncStore:
+    def __init__(self, store: Store, concurrency: int):
+        self.store = store
+        self.name = store.name
+        self.limiter = trio.CapacityLimiter(concurrency)
+        self.limiter_name = f"store:{store.name}"
+
+    async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        if kwargs:
+            fn = functools.partial(fn, **kwargs)
+        return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+
+    async def head(self, bucket: str, key: str) -> ObjectInfo:
+        return await self._run(self.store.head, bucket, key)
+
+    async def get(self, bucket: str, key: str, start: int = 0, length: int | None = None, *,
+                  etag: str | None = None) -> tuple[bytes, ObjectInfo]:
+        return await self._run(self.store.get, bucket, key, start, length, etag=etag)
+
+    async def list_page(self, bucket: str, prefix: str, *, delimiter: str = "/",
+                        token: str | None = None, max_keys: int = 1000) -> ListPage:
+        return await self._run(self.store.list_page, bucket, prefix, delimiter=delimiter,
+                               token=token, max_keys=max_keys)
+
+    async def put(self, bucket: str, key: str, body, size: int) -> ObjectInfo:
+        return await self._run(self.store.put, bucket, key, body, size)
+
+    async def create_multipart(self, bucket: str, key: str) -> str:
+        return await self._run(self.store.create_multipart, bucket, key)
+
+    async def upload_part(self, bucket: str, key: str, upload_id: str, part_number: int, body,
+                          size: int) -> str:
+        return await self._run(self.store.upload_part, bucket, key, upload_id, part_number, body, size)
+
+    async def complete_multipart(self, bucket: str, key: str, upload_id: str,
+                                 parts: list[tuple[int, str]]) -> ObjectInfo:
+        return await self._run(self.store.complete_multipart, bucket, key, upload_id, parts)
+
+    async def abort_multipart(self, bucket: str, key: str, upload_id: str) -> None:
+        await self._run(self.store.abort_multipart, bucket, key, upload_id)
+
+    async def list_multipart(self, bucket: str, prefix: str) -> list[Upload]:
+        return await self._run(self.store.list_multipart, bucket, prefix)
+
+    async def copy(self, bucket: str, src_key: str, dst_key: str) -> ObjectInfo:
+        return await self._run(self.store.copy, bucket, src_key, dst_key)
+
+    async def delete(self, bucket: str, key: str) -> None:
+        await self._run(self.store.delete, bucket, key)
+
+    async def check_bucket(self, bucket: str) -> None:
+        await self._run(self.store.check_bucket, bucket)
+
+
+# Local disk work (cache blocks, staging files) shares one limiter: enough threads to keep a fast
+# SSD busy while a few are blocked on fsync, few enough not to thrash a 2-core host.
+_DISK_LIMITER: trio.CapacityLimiter | None = None
+
+
+def disk_limiter() -> trio.CapacityLimiter:
+    global _DISK_LIMITER
+    if _DISK_LIMITER is None:
+        _DISK_LIMITER = trio.CapacityLimiter(16)
+    return _DISK_LIMITER
+
+
+async def run_disk(fn: Callable[..., T], *args: Any) -> T:
+    return await trio.to_thread.run_sync(fn, *args, limiter=disk_limiter())

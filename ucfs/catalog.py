@@ -1,0 +1,240 @@
+"""The volume registry: which `/Volumes/<catalog>/<schema>/<volume>` exist, where they live, who may use them.
+
+A catalog is a TOML file::
+
+    [stores.minio]                      # optional: an S3 endpoint (default: AWS, standard credential chain)
+    endpoint_url = "http://127.0.0.1:9000"
+    region = "us-east-1"
+
+    [volumes."main.default.raw"]
+    location = "s3://my-bucket/datasets/raw"   # or "file:///srv/data", or an absolute path
+    store = "minio"                     # which [stores.*] entry; default "default" if present, else AWS
+    read_only = false
+    readers = ["*"]                     # user names or uids, "@group" names or gids, "*" for everyone
+    writers = ["alice", "@ml"]
+
+Everything here is plain data; nothing talks to a store.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ConfigError
+
+# Characters a catalog, schema or volume name may hold: what works unquoted in a shell and a URL.
+_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}$")
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    name: str
+    kind: str = "s3"  # "s3" or "local"
+    endpoint_url: str | None = None
+    region: str | None = None
+    profile: str | None = None
+    path_style: bool = True
+
+
+@dataclass(frozen=True)
+class Grants:
+    """Who may do something: user ids, group ids, or everyone."""
+
+    everyone: bool = False
+    uids: frozenset[int] = frozenset()
+    gids: frozenset[int] = frozenset()
+
+    def allows(self, uid: int, gids: frozenset[int] | set[int]) -> bool:
+        return self.everyone or uid in self.uids or bool(self.gids & set(gids))
+
+
+@dataclass(frozen=True)
+class Volume:
+    catalog: str
+    schema: str
+    name: str
+    store: StoreSpec
+    bucket: str  # S3 bucket, or the directory of a local store
+    prefix: str  # "" or "some/prefix/" (always ends with "/")
+    read_only: bool = False
+    readers: Grants = field(default_factory=lambda: Grants(everyone=True))
+    writers: Grants = field(default_factory=lambda: Grants(everyone=True))
+
+    @property
+    def full_name(self) -> str:
+        return f"{self.catalog}.{self.schema}.{self.name}"
+
+    @property
+    def location(self) -> str:
+        if self.store.kind == "local":
+            return f"file://{self.bucket}"
+        return f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+
+    def can_read(self, uid: int, gids: frozenset[int] | set[int]) -> bool:
+        return self.readers.allows(uid, gids) or self.writers.allows(uid, gids)
+
+    def can_write(self, uid: int, gids: frozenset[int] | set[int]) -> bool:
+        return not self.read_only and self.writers.allows(uid, gids)
+
+
+@dataclass(frozen=True)
+class Catalog:
+    volumes: dict[tuple[str, str, str], Volume]
+    source: str = "<embedded>"
+
+    # -- namespace ------------------------------------------------------------------------------
+    def catalogs(self) -> list[str]:
+        return sorted({c for c, _, _ in self.volumes})
+
+    def schemas(self, catalog: str) -> list[str]:
+        return sorted({s for c, s, _ in self.volumes if c == catalog})
+
+    def volume_names(self, catalog: str, schema: str) -> list[str]:
+        return sorted(v for c, s, v in self.volumes if c == catalog and s == schema)
+
+    def volume(self, catalog: str, schema: str, name: str) -> Volume | None:
+        return self.volumes.get((catalog, schema, name))
+
+    def stores(self) -> list[StoreSpec]:
+        seen: dict[str, StoreSpec] = {}
+        for v in self.volumes.values():
+            seen.setdefault(v.store.name, v.store)
+        return list(seen.values())
+
+    # -- loading --------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Catalog":
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: catalog file not found") from None
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read catalog file: {e.strerror}") from None
+        return cls.parse(text, str(path))
+
+    @classmethod
+    def parse(cls, text: str, source: str = "<string>") -> "Catalog":
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            # tomllib says "... (at line N, column M)"; lead with the file so the user knows where.
+            raise ConfigError(f"{source}: not valid TOML: {e}") from None
+        return cls.from_dict(data, source, text)
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "<dict>", text: str = "") -> "Catalog":
+        def where(table: str) -> str:
+            # Line of a table header, so errors point at the right place in the file.
+            for i, line in enumerate(text.splitlines(), 1):
+                if line.strip().startswith("[") and table in line:
+                    return f"{source}:{i}"
+            return source
+
+        unknown = set(data) - {"stores", "volumes"}
+        if unknown:
+            raise ConfigError(f"{source}: unknown top-level key(s) {sorted(unknown)}; "
+                              "expected [stores.*] and [volumes.\"catalog.schema.volume\"]")
+        stores: dict[str, StoreSpec] = {}
+        for sname, s in (data.get("stores") or {}).items():
+            if not isinstance(s, dict):
+                raise ConfigError(f"{where(sname)}: [stores.{sname}] must be a table")
+            bad = set(s) - {"endpoint_url", "region", "profile", "path_style"}
+            if bad:
+                raise ConfigError(f"{where(sname)}: unknown key(s) {sorted(bad)} in [stores.{sname}]")
+            stores[sname] = StoreSpec(sname, "s3", s.get("endpoint_url"), s.get("region"),
+                                      s.get("profile"), bool(s.get("path_style", True)))
+        volumes: dict[tuple[str, str, str], Volume] = {}
+        vols = data.get("volumes") or {}
+        if not isinstance(vols, dict):
+            raise ConfigError(f"{source}: 'volumes' must be a table of tables")
+        for full, v in vols.items():
+            loc = where(full)
+            parts = full.split(".")
+            if len(parts) != 3 or not all(_NAME_RE.match(p) for p in parts):
+                raise ConfigError(f"{loc}: volume name {full!r} must be catalog.schema.volume, each part "
+                                  "letters, digits, '_', '-' or '.' (and not starting with '.' or '-')")
+            if not isinstance(v, dict):
+                raise ConfigError(f"{loc}: [volumes.\"{full}\"] must be a table")
+            bad = set(v) - {"location", "store", "read_only", "readers", "writers"}
+            if bad:
+                raise ConfigError(f"{loc}: unknown key(s) {sorted(bad)} in volume {full!r}")
+            location = v.get("location")
+            if not isinstance(location, str) or not location:
+                raise ConfigError(f"{loc}: volume {full!r} needs a location (s3://bucket/prefix or a path)")
+            read_only = v.get("read_only", False)
+            if not isinstance(read_only, bool):
+                raise ConfigError(f"{loc}: read_only of {full!r} must be true or false")
+            if location.startswith("s3://"):
+                rest = location[5:]
+                bucket, _, prefix = rest.partition("/")
+                if not bucket:
+                    raise ConfigError(f"{loc}: location {location!r} has no bucket")
+                prefix = prefix.strip("/")
+                prefix = prefix + "/" if prefix else ""
+                sname = v.get("store") or ("default" if "default" in stores else "aws")
+                if sname == "aws" and "aws" not in stores:
+                    stores["aws"] = StoreSpec("aws", "s3")
+                if sname not in stores:
+                    raise ConfigError(f"{loc}: volume {full!r} names store {sname!r}, which has no "
+                                      f"[stores.{sname}] table")
+                spec = stores[sname]
+            else:
+                d = location.removeprefix("file://")
+                if not os.path.isabs(d):
+                    raise ConfigError(f"{loc}: location {location!r} must be s3://bucket/prefix or an "
+                                      "absolute directory path")
+                bucket, prefix, spec = os.path.normpath(d), "", StoreSpec("local", "local")
+            try:
+                readers = parse_grants(v.get("readers", ["*"]))
+                writers = parse_grants(v.get("writers", ["*"]))
+            except ValueError as e:
+                raise ConfigError(f"{loc}: volume {full!r}: {e}") from None
+            volumes[tuple(parts)] = Volume(parts[0], parts[1], parts[2], spec, bucket, prefix,
+                                           read_only, readers, writers)
+        if not volumes:
+            raise ConfigError(f"{source}: no volumes registered; add a [volumes.\"catalog.schema.volume\"] "
+                              "table with a location")
+        return cls(volumes, source)
+
+    @classmethod
+    def embedded(cls, demo_dir: str | os.PathLike) -> "Catalog":
+        """The catalog `ucfs mount` uses when given none: one sample volume on the local disk."""
+        spec = StoreSpec("local", "local")
+        vol = Volume("main", "default", "samples", spec, os.path.abspath(demo_dir), "")
+        return cls({("main", "default", "samples"): vol}, "<embedded>")
+
+
+def parse_grants(entries) -> Grants:
+    if isinstance(entries, str):
+        entries = [entries]
+    if not isinstance(entries, list):
+        raise ValueError("readers/writers must be a list of names")
+    everyone, uids, gids = False, set(), set()
+    for e in entries:
+        e = str(e).strip()
+        if e == "*":
+            everyone = True
+        elif e.startswith("@"):
+            g = e[1:]
+            if g.isdigit():
+                gids.add(int(g))
+            else:
+                try:
+                    gids.add(grp.getgrnam(g).gr_gid)
+                except KeyError:
+                    raise ValueError(f"unknown group {g!r}") from None
+        elif e.isdigit():
+            uids.add(int(e))
+        else:
+            try:
+                uids.add(pwd.getpwnam(e).pw_uid)
+            except KeyError:
+                raise ValueError(f"unknown user {e!r}") from None
+    return Grants(everyone, frozenset(uids), frozenset(gids))

@@ -1,0 +1,120 @@
+"""Tunables of a mount, as data.
+
+Every field carries its unit in its name and a comment saying why the default is what it is.
+The CLI is the only place that builds a `MountConfig` from argv; everything else receives one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+
+def default_state_dir() -> Path:
+    """Where the cache, staging area and journal live unless told otherwise.
+
+    Root gets a system location; other users get one under their XDG cache home, so two users on one
+    host never share (or fight over) a cache directory.
+    """
+    if os.geteuid() == 0:
+        return Path("/var/cache/ucfs")
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ucfs"
+
+
+@dataclass(frozen=True)
+class MountConfig:
+    # Objects changed elsewhere become visible within this time. One second keeps `ls` and `stat` cheap
+    # for bursts of metadata calls while still feeling "live" to someone watching another host.
+    metadata_ttl_s: float = 1.0
+
+    # Unit of the local disk cache and of random-read fetches. 1 MiB keeps a footer or column-chunk
+    # read from pulling megabytes it does not need, yet is large enough that a 1 GiB file is only
+    # 1,024 cache files.
+    block_bytes: int = 1 * MiB
+
+    # Size of one ranged GET during sequential read-ahead. 8 MiB is where S3 and RGW reach full
+    # per-connection throughput; smaller parts spend more time in request overhead.
+    part_bytes: int = 8 * MiB
+
+    # First read-ahead request. The kernel asks for 128 KiB past a 1 MiB read, so 1 MiB + 128 KiB covers a
+    # reader's first two requests with one GET, and a file read only at its head costs little.
+    readahead_initial_bytes: int = 1 * MiB + 128 * KiB
+
+    # Largest read-ahead window of one handle. 16 parts in flight keep a 2-core host saturated at
+    # ~1 GB/s even with 10-30 ms of store latency (bandwidth-delay product is far below this).
+    readahead_max_bytes: int = 128 * MiB
+
+    # One budget for all in-flight read-ahead data of all handles: many open files share it, so memory
+    # stays bounded however many files are streamed at once.
+    readahead_budget_bytes: int = 512 * MiB
+
+    # Requests to the store in flight at once (threads and pooled connections). 64 lets a 64-way
+    # small-file copy keep 64 GETs going, which is what hides per-request latency.
+    store_concurrency: int = 64
+
+    # Connect / read timeouts of one store request. Reads that stall longer are retried by botocore.
+    store_connect_timeout_s: float = 5.0
+    store_read_timeout_s: float = 30.0
+
+    # Attempts per store request for transient failures (5xx, throttling, resets), done by botocore with
+    # exponential backoff. Five attempts ride out a few seconds of trouble without hanging a reader.
+    store_max_attempts: int = 5
+
+    # Local disk cache.
+    cache_dir: Path = dataclasses.field(default_factory=lambda: default_state_dir() / "cache")
+    # Bytes of cached blocks kept at most (least recently used evicted first).
+    cache_size_bytes: int = 10 * GiB
+    # Keep at least this much free on the cache's file system, whatever cache_size_bytes says, so a
+    # training host's local disk never fills up because of us.
+    cache_free_floor_bytes: int = 1 * GiB
+
+    # Directory listings larger than this are not refreshed in one go when a lookup finds them expired;
+    # single entries are looked up instead (a LIST page holds 1,000 keys).
+    relist_max_entries: int = 5000
+
+    # FUSE worker tasks: how many kernel requests we handle concurrently. Must exceed the parallelism
+    # of the busiest client (64-way copies), or requests queue in the kernel.
+    fuse_max_tasks: int = 256
+
+    # Read-ahead the kernel itself does on the mount. Its requests reach us in pieces of up to 1 MiB
+    # (FUSE's largest); a 4 MiB window keeps several of them in flight, so a sequential reader costs a
+    # few large requests instead of a stream of 128 KiB ones (the kernel's default). Needs root.
+    kernel_readahead_kib: int = 4096
+
+    # Let users other than the mounting one see the mount (they still need grants).
+    allow_other: bool = False
+
+    def __post_init__(self) -> None:
+        if self.block_bytes <= 0 or self.part_bytes % self.block_bytes:
+            raise ValueError("part_bytes must be a positive multiple of block_bytes")
+        if self.readahead_max_bytes < self.part_bytes:
+            raise ValueError("readahead_max_bytes must be at least part_bytes")
+        if self.metadata_ttl_s < 0:
+            raise ValueError("metadata_ttl_s must not be negative")
+
+    def replace(self, **changes) -> "MountConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def parse_size(text: str) -> int:
+    """'10G', '512M', '1.5GiB', '4096' -> bytes (binary units; a bare number is bytes)."""
+    s = text.strip().upper().removesuffix("B").removesuffix("I")
+    units = {"K": KiB, "M": MiB, "G": GiB, "T": 1024 * GiB}
+    mult = 1
+    if s and s[-1] in units:
+        mult = units[s[-1]]
+        s = s[:-1]
+    try:
+        value = float(s)
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (try e.g. 10G, 512M, 4096)") from None
+    if value < 0:
+        raise ValueError(f"size must not be negative: {text!r}")
+    return int(value * mult)

@@ -1,0 +1,201 @@
+"""The inode table: what the kernel knows by number, and what we remember about each.
+
+An inode is a (parent, name) pair with a kind, its last known attributes and when they expire. Paths
+are not stored: they are computed by walking up the parents, so renaming a directory renames
+everything below it without touching the children.
+
+Lifetime follows the kernel: every successful lookup (and each entry of a readdirplus) adds one to
+the inode's lookup count, `forget` subtracts, and an inode is dropped only when the kernel has
+forgotten it, no handle has it open, and no child still points at it.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .catalog import Volume
+
+ROOT_INO = 1
+
+
+class Kind(enum.IntEnum):
+    ROOT = 0
+    CATALOG = 1
+    SCHEMA = 2
+    VOLUME = 3  # the volume's top directory
+    DIR = 4
+    FILE = 5
+
+    @property
+    def is_dir(self) -> bool:
+        return self is not Kind.FILE
+
+    @property
+    def synthetic(self) -> bool:
+        """Levels made up from the catalog, not backed by the store."""
+        return self <= Kind.SCHEMA
+
+
+@dataclass(slots=True)
+class Entry:
+    """One name in a directory listing, as the store described it."""
+
+    is_dir: bool
+    size: int = 0
+    etag: str = ""
+    mtime_ns: int = 0
+
+
+@dataclass(eq=False)
+class Listing:
+    """A directory's children as last listed, and when that was."""
+
+    entries: dict[str, Entry]
+    fetched_at: float  # time.monotonic()
+    marker: bool = False  # the directory has its own marker object ("dir/"), so it outlives its contents
+
+    def fresh(self, ttl_s: float) -> bool:
+        return time.monotonic() - self.fetched_at <= ttl_s
+
+
+@dataclass(eq=False)
+class Inode:
+    ino: int
+    kind: Kind
+    parent: "Inode | None"
+    name: str
+    volume: Volume | None = None
+    size: int = 0
+    etag: str = ""
+    mtime_ns: int = 0
+    attr_expires: float = 0.0  # time.monotonic() after which attributes must be checked again
+    lookups: int = 0  # references the kernel holds
+    opens: int = 0  # open file or directory handles
+    children: int = 0  # child inodes in the table pointing at us
+    page_cache_etag: str | None = None  # version whose pages the kernel may hold for this inode
+    listing: Listing | None = None  # directories: last listing
+    listing_refresh: Any = None  # a trio.Event while a refresh of the listing runs
+    hot_lookups: int = 0  # lookups that found the listing expired (see core._lookup_child)
+    hot_since: float = 0.0
+    staged: Any = None  # files: local data not yet (or being) committed; see commit.py
+    deleted: bool = False  # unlinked while open: still readable through its handles
+    children_by_name: dict[str, "Inode"] = field(default_factory=dict)
+
+    def rel_path(self) -> str:
+        """Path inside the volume ("" for the volume's top directory)."""
+        parts = []
+        node: Inode | None = self
+        while node is not None and node.kind in (Kind.DIR, Kind.FILE):
+            parts.append(node.name)
+            node = node.parent
+        return "/".join(reversed(parts))
+
+    @property
+    def key(self) -> str:
+        """The object key of a file, or the key prefix of a directory without its trailing '/'."""
+        assert self.volume is not None
+        rel = self.rel_path()
+        return (self.volume.prefix + rel) if rel else self.volume.prefix.rstrip("/")
+
+    @property
+    def dir_prefix(self) -> str:
+        """Key prefix of a directory's children ("" or ending in '/')."""
+        assert self.volume is not None
+        rel = self.rel_path()
+        return self.volume.prefix + (rel + "/" if rel else "")
+
+    def mount_path(self) -> str:
+        parts = []
+        node: Inode | None = self
+        while node is not None and node.kind is not Kind.ROOT:
+            parts.append(node.name)
+            node = node.parent
+        return "/" + "/".join(reversed(parts))
+
+    def attrs_fresh(self) -> bool:
+        return time.monotonic() <= self.attr_expires
+
+
+class InodeTable:
+    def __init__(self) -> None:
+        self.root = Inode(ROOT_INO, Kind.ROOT, None, "")
+        self.root.lookups = 1  # the kernel never forgets the root
+        self._by_ino: dict[int, Inode] = {ROOT_INO: self.root}
+        self._next = ROOT_INO + 1
+
+    def __len__(self) -> int:
+        return len(self._by_ino)
+
+    def get(self, ino: int) -> Inode | None:
+        return self._by_ino.get(ino)
+
+    def child(self, parent: Inode, name: str) -> Inode | None:
+        return parent.children_by_name.get(name)
+
+    def add_child(self, parent: Inode, name: str, kind: Kind, volume: Volume | None) -> Inode:
+        """The inode for parent/name, created if new (or if the old one changed kind)."""
+        node = parent.children_by_name.get(name)
+        if node is not None and node.kind is kind:
+            return node
+        if node is not None:
+            self.detach(node)  # a file became a directory or the other way round
+        node = Inode(self._next, kind, parent, name, volume)
+        self._next += 1
+        self._by_ino[node.ino] = node
+        parent.children_by_name[name] = node
+        parent.children += 1
+        return node
+
+    def detach(self, node: Inode) -> None:
+        """Remove node from its parent's names (unlinked or replaced); it lives on while referenced."""
+        parent = node.parent
+        if parent is not None and parent.children_by_name.get(node.name) is node:
+            del parent.children_by_name[node.name]
+        self._maybe_drop(node)
+
+    def move(self, node: Inode, new_parent: Inode, new_name: str) -> None:
+        """Rename: node is now new_parent/new_name; whatever was there is detached."""
+        old = new_parent.children_by_name.get(new_name)
+        if old is not None and old is not node:
+            self.detach(old)
+        parent = node.parent
+        assert parent is not None
+        if parent.children_by_name.get(node.name) is node:
+            del parent.children_by_name[node.name]
+        if parent is not new_parent:
+            parent.children -= 1
+            new_parent.children += 1
+            self._maybe_drop(parent)
+        node.parent = new_parent
+        node.name = new_name
+        new_parent.children_by_name[new_name] = node
+
+    def forget(self, ino: int, n: int) -> None:
+        node = self._by_ino.get(ino)
+        if node is None or node is self.root:
+            return
+        node.lookups -= n
+        self._maybe_drop(node)
+
+    def _maybe_drop(self, node: Inode) -> None:
+        while (node is not self.root and node.lookups <= 0 and node.opens <= 0
+               and node.children <= 0 and node.staged is None and node.ino in self._by_ino):
+            del self._by_ino[node.ino]
+            parent = node.parent
+            if parent is None:
+                return
+            if parent.children_by_name.get(node.name) is node:
+                del parent.children_by_name[node.name]
+            parent.children -= 1
+            node = parent
+
+    def release(self, node: Inode) -> None:
+        """A handle on node was closed."""
+        node.opens -= 1
+        self._maybe_drop(node)
+
+    def all(self):
+        return self._by_ino.values()

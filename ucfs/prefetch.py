@@ -1,0 +1,415 @@
+"""Read-ahead for one open file: fetch what the reader will want before it asks.
+
+The unit is the cache block (`block_bytes`, 1 MiB). A handle keeps the blocks around its read position
+in memory; each one comes from the local disk cache when it is there and otherwise from the store by
+ranged GET, and every block fetched from the store is written to the disk cache.
+
+Sequential detection. The kernel splits a reader's `read()` into requests of up to 128 KiB (1 MiB
+with a larger read-ahead), and FUSE may hand concurrent requests to us out of order. A read counts as
+sequential when it starts between a little behind the furthest byte read so far and up to
+`FORWARD_JUMP_BYTES` ahead of it, so reordering and small skips keep the stream.
+
+Window. A sequential stream starts with `readahead_initial_bytes` (1 MiB + 128 KiB: the kernel's
+first two requests) so that reading just a file's head costs one small GET, and the window doubles
+each time the reader moves into a new block, up to `readahead_max_bytes`. Once the window reaches
+`part_bytes`, read-ahead is issued in whole parts (8 MiB ranged GETs aligned to part boundaries),
+several in flight at once; that is where a store delivers full throughput. A random read resets the
+window and fetches only the blocks it touches.
+
+Memory. All handles share one `MemoryBudget`. Speculative fetches only start when the budget has
+room; a read that needs a block now always proceeds (its size is bounded by the request), so nothing
+deadlocks. Blocks the reader has passed are dropped at once; blocks fetched ahead but left untouched
+for a while can be reclaimed by other handles, since the disk cache still has them.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+
+import trio
+
+from . import errors
+from .aiostore import AsyncStore, run_disk
+from .cache import BlockCache, ObjectVersion
+from .config import MiB, MountConfig
+
+log = logging.getLogger(__name__)
+
+# A read this far ahead of the stream's end still continues the stream: the kernel's own read-ahead
+# (4 MiB, see MountConfig.kernel_readahead_kib) sends several requests at once and they may arrive out
+# of order. A read inside what we already fetch ahead continues it too. Anything further is a seek.
+FORWARD_JUMP_BYTES = 4 * MiB
+# A read this far behind the stream's end still counts as sequential (FUSE reordering).
+BACKWARD_SLACK_BYTES = 2 * MiB
+# Blocks kept behind the read position, for reordered or slightly backward reads. A later request for
+# an older block is served again from the disk cache; a block a read is waiting for is never dropped.
+KEEP_BEHIND_BYTES = 2 * MiB
+# Read-ahead blocks untouched this long may be taken back by other handles under memory pressure.
+IDLE_RECLAIM_S = 2.0
+
+
+class MemoryBudget:
+    """Bytes of file data held in memory by all handles together (read-ahead and reads in flight)."""
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity_bytes = capacity_bytes
+        self.used_bytes = 0
+        self.peak_bytes = 0
+        # Ready blocks nobody has read yet, oldest first: (reader, index) -> time they became idle.
+        self._idle: collections.OrderedDict[tuple["ObjectReader", int], float] = collections.OrderedDict()
+        self.reclaimed = 0
+
+    def try_reserve(self, n: int) -> bool:
+        if self.used_bytes + n > self.capacity_bytes:
+            self._reclaim(self.used_bytes + n - self.capacity_bytes)
+            if self.used_bytes + n > self.capacity_bytes:
+                return False
+        self._take(n)
+        return True
+
+    def force_reserve(self, n: int) -> None:
+        """Reserve for a read someone is waiting on: never refused (bounded by the request size)."""
+        if self.used_bytes + n > self.capacity_bytes:
+            self._reclaim(self.used_bytes + n - self.capacity_bytes)
+        self._take(n)
+
+    def _take(self, n: int) -> None:
+        self.used_bytes += n
+        self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+
+    def release(self, n: int) -> None:
+        self.used_bytes -= n
+        assert self.used_bytes >= 0, "memory budget released more than reserved"
+
+    def mark_idle(self, reader: "ObjectReader", index: int) -> None:
+        self._idle[(reader, index)] = time.monotonic()
+
+    def mark_busy(self, reader: "ObjectReader", index: int) -> None:
+        self._idle.pop((reader, index), None)
+
+    def _reclaim(self, need: int) -> None:
+        cutoff = time.monotonic() - IDLE_RECLAIM_S
+        while need > 0 and self._idle:
+            (reader, index), since = next(iter(self._idle.items()))
+            if since > cutoff:
+                return
+            self._idle.popitem(last=False)
+            need -= reader._drop(index)
+            self.reclaimed += 1
+
+
+@dataclass(eq=False)
+class _Block:
+    index: int
+    ready: trio.Event = field(default_factory=trio.Event)
+    data: memoryview | bytes | None = None
+    error: BaseException | None = None
+    reserved: int = 0  # bytes of budget held
+    cached: bool = False  # on disk (or not worth caching): memory copy may be dropped
+    drop_when_cached: bool = False
+    waiters: int = 0  # reads waiting for this block: it is not dropped under them
+
+
+class ObjectReader:
+    """Reads of one object version through one open handle (see the module doc)."""
+
+    def __init__(self, *, store: AsyncStore, bucket: str, key: str, version: ObjectVersion, size: int,
+                 cache: BlockCache | None, budget: MemoryBudget, cfg: MountConfig,
+                 nursery: trio.Nursery, stats: collections.Counter | None = None):
+        self.store = store
+        self.bucket = bucket
+        self.key = key
+        self.version = version
+        self.size = size
+        self.cache = cache
+        self.budget = budget
+        self.cfg = cfg
+        self.B = cfg.block_bytes
+        self.nursery = nursery
+        self.stats = stats if stats is not None else collections.Counter()
+        self.blocks: dict[int, _Block] = {}
+        self.window = cfg.readahead_initial_bytes
+        self.stream_end = 0  # furthest byte read by the current sequential stream
+        self._scheduled_end = 0  # end of the contiguous scheduled region of the stream
+        self._low = 0  # no block below this index is held (blocks behind the reader are dropped)
+        self._closed = False
+        self._cancel_scopes: set[trio.CancelScope] = set()
+        self.gets = 0  # ranged GETs issued (tests count them)
+
+    @property
+    def nblocks(self) -> int:
+        return (self.size + self.B - 1) // self.B
+
+    # -- the read path ----------------------------------------------------------------------
+    async def read(self, off: int, size: int) -> bytes | memoryview:
+        if off >= self.size or size <= 0:
+            return b""
+        end = min(off + size, self.size)
+        self._plan(off, end)
+        B = self.B
+        first, last = off // B, (end - 1) // B
+        if first == last:
+            blk = await self._wait(first)
+            base = first * B
+            out: bytes | memoryview = blk.data[off - base:end - base]
+            self._done_with(blk)
+        else:
+            pieces = []
+            for i in range(first, last + 1):
+                blk = await self._wait(i)
+                base = i * B
+                pieces.append(blk.data[max(off, base) - base:min(end, base + B) - base])
+                self._done_with(blk)
+            out = b"".join(pieces)
+        self._drop_behind(first)
+        return out
+
+    def _done_with(self, blk: _Block) -> None:
+        blk.waiters -= 1
+        if blk.drop_when_cached and blk.waiters == 0:
+            self._drop(blk.index, blk)
+
+    async def _wait(self, index: int) -> _Block:
+        """The block, ready, with this read counted as using it (release with `_done_with`)."""
+        while True:
+            blk = self.blocks.get(index)
+            if blk is None:
+                # Dropped between planning and now (memory pressure): fetch it on demand.
+                self._schedule(index, index + 1, index + 1)
+                blk = self.blocks[index]
+            blk.waiters += 1
+            if not blk.ready.is_set():
+                self.stats["read_waits"] += 1
+                try:
+                    await blk.ready.wait()
+                except BaseException:
+                    blk.waiters -= 1
+                    raise
+            if blk.error is not None:
+                blk.waiters -= 1
+                raise _as_oserror(blk.error, self.key)
+            if blk.data is None:  # taken back while we waited: fetch again
+                blk.waiters -= 1
+                continue
+            self.budget.mark_busy(self, index)
+            return blk
+
+    def _plan(self, off: int, end: int) -> None:
+        B = self.B
+        first, demand_stop = off // B, (end - 1) // B + 1
+        sequential = (self.stream_end - BACKWARD_SLACK_BYTES <= off
+                      <= max(self.stream_end + FORWARD_JUMP_BYTES, self._scheduled_end))
+        if not sequential:
+            self.stats["random_reads"] += 1
+            self.window = self.cfg.readahead_initial_bytes
+            self.stream_end = end
+            self._scheduled_end = end
+            self._schedule(first, demand_stop, demand_stop)
+            return
+        if self.stream_end > 0 and (end - 1) // B > (self.stream_end - 1) // B:
+            # The reader moved into a new block while streaming: it keeps up, so look further ahead.
+            self.window = min(self.window * 2, self.cfg.readahead_max_bytes)
+        self.stream_end = max(self.stream_end, end)
+        part = self.cfg.part_bytes
+        target = min(off + self.window, self.size)
+        ahead_from = self._scheduled_end if off <= self._scheduled_end else end
+        ahead_from = max(ahead_from, end)
+        if self.window >= part:
+            # Whole aligned parts from here on, topped up only once a part's worth is missing, so each
+            # GET is a full part rather than a trickle of single blocks.
+            target = min(-(-target // part) * part, self.size)
+            if target - ahead_from < part and target < self.size:
+                target = end
+        stop = max(demand_stop, -(-target // B))
+        if all(i in self.blocks for i in range(first, demand_stop)):
+            # Steady state: what this read needs is here or coming; only extend the read-ahead.
+            first = max(demand_stop, ahead_from // B)
+        got = self._schedule(first, demand_stop, stop)
+        self._scheduled_end = max(ahead_from, min(got * B, self.size))
+
+    def _schedule(self, first: int, demand_stop: int, stop: int) -> int:
+        """Make sure blocks [first, stop) are present or on their way; returns where it stopped.
+
+        Blocks before `demand_stop` are wanted by a waiting read and always fetched; the rest are
+        read-ahead and stop at the first one the memory budget cannot hold. Runs of missing blocks
+        become one fetch each, cut at part boundaries, so a cold first read and its read-ahead share
+        one GET.
+        """
+        stop = min(stop, self.nblocks)
+        per_part = self.cfg.part_bytes // self.B
+        cache = self.cache
+        self._low = min(self._low, first)
+        i = first
+        while i < stop:
+            if i in self.blocks:
+                i += 1
+                continue
+            cached = cache is not None and cache.contains(self.version, i)
+            j = i + 1
+            part_end = (i // per_part + 1) * per_part
+            while (j < stop and j < part_end and j not in self.blocks and
+                   (cache is not None and cache.contains(self.version, j)) == cached):
+                j += 1
+            forced_end = min(j, max(i, demand_stop))
+            forced = min(forced_end * self.B, self.size) - i * self.B if forced_end > i else 0
+            spec = min(j * self.B, self.size) - i * self.B - forced
+            if forced:
+                self.budget.force_reserve(forced)
+            if spec and not self.budget.try_reserve(spec):
+                self.stats["readahead_throttled"] += 1
+                j = forced_end
+                if j == i:
+                    return i
+            run = [_Block(k) for k in range(i, j)]
+            for blk in run:
+                blk.reserved = min((blk.index + 1) * self.B, self.size) - blk.index * self.B
+                self.blocks[blk.index] = blk
+            self.nursery.start_soon(self._fetch, run, cached)
+            i = j
+        return stop
+
+    # -- fetching -----------------------------------------------------------------------------
+    async def _fetch(self, run: list[_Block], from_cache: bool) -> None:
+        fetched: list[_Block] = []
+        with trio.CancelScope() as scope:
+            # close() cancels what is still on its way; data that has arrived is cached regardless.
+            self._cancel_scopes.add(scope)
+            try:
+                if from_cache:
+                    missing = await self._load_cached(run)
+                    # Evicted or damaged since we looked: fetch those from the store.
+                    for sub in _contiguous(missing):
+                        await self._get(sub)
+                        fetched.extend(sub)
+                else:
+                    await self._get(run)
+                    fetched = run
+            except BaseException as e:  # Cancelled too: no waiter may hang, no budget may leak
+                self._abandon(run, e)
+                if isinstance(e, trio.Cancelled) or not isinstance(e, Exception):
+                    raise
+                log.warning("read of %r failed: %s", self.key, e)
+            finally:
+                self._cancel_scopes.discard(scope)
+        await self._cache_blocks(fetched)
+
+    def _abandon(self, run: list[_Block], e: BaseException) -> None:
+        for blk in run:
+            if not blk.ready.is_set():
+                blk.error = e if isinstance(e, Exception) and not isinstance(e, trio.Cancelled) \
+                    else errors.fs_error(errors.EIO, "read abandoned")
+                blk.ready.set()
+                if self.blocks.get(blk.index) is blk:
+                    del self.blocks[blk.index]  # a later read tries again
+                self._release(blk)
+            elif not blk.cached:
+                self._cached(blk)  # give up on caching it; memory goes back when it is dropped
+
+    async def _load_cached(self, run: list[_Block]) -> list[_Block]:
+        missing = []
+        for blk in run:
+            data = await run_disk(self.cache.get_block, self.version, blk.index)
+            if data is None:
+                missing.append(blk)
+                continue
+            self.stats["cache_hit_blocks"] += 1
+            blk.data = data
+            blk.cached = True
+            self._ready(blk)
+        return missing
+
+    async def _get(self, run: list[_Block]) -> None:
+        start = run[0].index * self.B
+        length = min((run[-1].index + 1) * self.B, self.size) - start
+        self.gets += 1
+        self.stats["gets"] += 1
+        data, info = await self.store.get(self.bucket, self.key, start, length, etag=self.version.etag)
+        if len(data) != length:
+            raise errors.StoreError(errors.EIO, f"store returned {len(data)} bytes for a {length}-byte "
+                                    "range", key=self.key)
+        self.stats["get_bytes"] += length
+        view = memoryview(data)
+        for k, blk in enumerate(run):
+            blk.data = view[k * self.B:(k + 1) * self.B]
+            self._ready(blk)
+
+    async def _cache_blocks(self, blocks: list[_Block]) -> None:
+        """Keep fetched blocks in the disk cache; their memory may go once they are there."""
+        for blk in blocks:
+            if blk.cached or blk.data is None:
+                continue
+            if self.cache is not None:
+                try:
+                    with trio.CancelScope(shield=True):
+                        await run_disk(self.cache.put_block, self.version, blk.index, blk.data)
+                except OSError as e:
+                    log.warning("could not write cache block of %r: %s", self.key, e)
+            self._cached(blk)
+
+    def _ready(self, blk: _Block) -> None:
+        blk.ready.set()
+        if blk.cached:
+            self._cached(blk)
+
+    def _cached(self, blk: _Block) -> None:
+        blk.cached = True
+        if blk.drop_when_cached or self._closed:
+            self._drop(blk.index, blk)
+        elif self.blocks.get(blk.index) is blk:
+            self.budget.mark_idle(self, blk.index)
+
+    # -- letting go ---------------------------------------------------------------------------
+    def _drop_behind(self, first: int) -> None:
+        limit = first - KEEP_BEHIND_BYTES // self.B
+        while self._low < limit:
+            if self._low in self.blocks:
+                self._drop(self._low)
+            self._low += 1
+
+    def _drop(self, index: int, blk: _Block | None = None) -> int:
+        """Forget a block's memory copy; returns the bytes given back to the budget."""
+        blk = blk or self.blocks.get(index)
+        if blk is None:
+            return 0
+        if not blk.ready.is_set() or not blk.cached or blk.waiters:
+            blk.drop_when_cached = True  # the fetch, the cache write or a read still needs it
+            return 0
+        if self.blocks.get(index) is blk:
+            del self.blocks[index]
+        self.budget.mark_busy(self, index)
+        blk.data = None
+        return self._release(blk)
+
+    def _release(self, blk: _Block) -> int:
+        n, blk.reserved = blk.reserved, 0
+        if n:
+            self.budget.release(n)
+        return n
+
+    def close(self) -> None:
+        """The handle is released: give back memory now, let in-flight fetches end quietly."""
+        self._closed = True
+        for idx in list(self.blocks):
+            self._drop(idx)
+        for scope in list(self._cancel_scopes):
+            scope.cancel()
+
+
+def _contiguous(blocks: list[_Block]) -> list[list[_Block]]:
+    runs: list[list[_Block]] = []
+    for b in blocks:
+        if runs and runs[-1][-1].index + 1 == b.index:
+            runs[-1].append(b)
+        else:
+            runs.append([b])
+    return runs
+
+
+def _as_oserror(e: BaseException, key: str) -> OSError:
+    if isinstance(e, OSError):
+        return e
+    log.error("read of %r failed unexpectedly: %r", key, e)
+    return errors.fs_error(errors.EIO, f"read failed: {e!r}")

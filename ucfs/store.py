@@ -1,0 +1,764 @@
+"""Object stores behind one synchronous, thread-safe protocol.
+
+`S3Store` is the production store (AWS S3, MinIO, Ceph RGW) and the only code in ucfs that imports
+boto3/botocore. `LocalStore` keeps objects as files in a local directory (the embedded default and
+demos). `MemoryStore` keeps them in a dict (unit tests). All three speak `Store`, raise only
+`ucfs.errors.StoreError` (an `OSError`), and count their requests in `statistics()`.
+
+Calls block: the file system runs them in worker threads (see `aiostore`), never on its event loop.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import os
+import random
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import BinaryIO, Iterable, Protocol
+
+from . import errors
+
+log = logging.getLogger(__name__)
+
+# S3 limits (https://docs.aws.amazon.com/AmazonS3/latest/userguide/qfacts.html).
+MAX_KEY_BYTES = 1024
+MAX_PARTS = 10_000
+MIN_PART_BYTES = 5 * 1024 * 1024
+MAX_PART_BYTES = 5 * 1024 ** 3
+MAX_OBJECT_BYTES = 5 * 1024 ** 4
+MAX_SINGLE_COPY_BYTES = 5 * 1024 ** 3
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    key: str
+    size: int
+    etag: str  # without quotes
+    mtime_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class ListPage:
+    objects: list[ObjectInfo]  # objects directly under the prefix (up to the delimiter)
+    prefixes: list[str]  # common prefixes, each ending with the delimiter
+    next_token: str | None  # None on the last page
+
+
+@dataclass(frozen=True, slots=True)
+class Upload:
+    key: str
+    upload_id: str
+
+
+class Store(Protocol):
+    """What the file system needs from an object store. Every method may raise `StoreError`."""
+
+    name: str  # identifies the store in cache keys ("s3:<endpoint>", "local", ...)
+
+    def head(self, bucket: str, key: str) -> ObjectInfo: ...
+
+    def get(self, bucket: str, key: str, start: int = 0, length: int | None = None, *,
+            etag: str | None = None) -> tuple[bytes, ObjectInfo]:
+        """Bytes [start, start+length) (to the end when length is None) and the object's info.
+
+        With `etag`, fail with `StaleError` instead of returning bytes of another version.
+        """
+        ...
+
+    def list_page(self, bucket: str, prefix: str, *, delimiter: str = "/", token: str | None = None,
+                  max_keys: int = 1000) -> ListPage: ...
+
+    def put(self, bucket: str, key: str, body: bytes | BinaryIO, size: int) -> ObjectInfo: ...
+
+    def create_multipart(self, bucket: str, key: str) -> str: ...
+
+    def upload_part(self, bucket: str, key: str, upload_id: str, part_number: int,
+                    body: bytes | BinaryIO, size: int) -> str: ...
+
+    def complete_multipart(self, bucket: str, key: str, upload_id: str,
+                           parts: list[tuple[int, str]]) -> ObjectInfo: ...
+
+    def abort_multipart(self, bucket: str, key: str, upload_id: str) -> None: ...
+
+    def list_multipart(self, bucket: str, prefix: str) -> list[Upload]: ...
+
+    def copy(self, bucket: str, src_key: str, dst_key: str) -> ObjectInfo: ...
+
+    def delete(self, bucket: str, key: str) -> None: ...
+
+    def check_bucket(self, bucket: str) -> None:
+        """Raise a StoreError when the bucket cannot be used (missing, no access, unreachable)."""
+        ...
+
+    def statistics(self) -> dict[str, int]: ...
+
+
+class Counters:
+    """Thread-safe request and byte counters shared by the stores."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._c: collections.Counter[str] = collections.Counter()
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._c[name] += n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._c)
+
+
+def _read_body(body: bytes | BinaryIO, size: int) -> bytes:
+    if isinstance(body, (bytes, bytearray, memoryview)):
+        return bytes(body)
+    data = body.read(size)
+    if len(data) != size:
+        raise errors.StoreError(errors.EIO, f"short read from upload source: {len(data)} of {size} bytes")
+    return data
+
+
+def _check_key(key: str) -> None:
+    if len(key.encode()) > MAX_KEY_BYTES:
+        raise errors.StoreError(errors.ENAMETOOLONG, f"key longer than {MAX_KEY_BYTES} bytes", key=key,
+                                code="KeyTooLongError")
+
+
+# --------------------------------------------------------------------------------------------------
+# S3
+
+
+def _split_etag(value: str | None) -> str:
+    return (value or "").strip('"')
+
+
+class S3Store:
+    """S3 (or any S3-compatible server) through boto3.
+
+    One botocore client is shared by all threads (botocore clients are thread-safe); its connection
+    pool is sized to `concurrency` so threads never wait for a socket. botocore retries transient
+    failures of the request itself; a body that breaks off mid-read is retried here.
+    """
+
+    def __init__(self, *, endpoint_url: str | None = None, region: str | None = None,
+                 profile: str | None = None, path_style: bool = True, concurrency: int = 64,
+                 max_attempts: int = 5, connect_timeout_s: float = 5.0, read_timeout_s: float = 30.0,
+                 access_key: str | None = None, secret_key: str | None = None):
+        import boto3
+        import botocore.config
+
+        self.endpoint_url = endpoint_url
+        self.name = f"s3:{endpoint_url or 'aws'}"
+        self.max_attempts = max_attempts
+        self._counters = Counters()
+        session = boto3.session.Session(profile_name=profile)
+        cfg = botocore.config.Config(
+            region_name=region or session.region_name or "us-east-1",
+            s3={"addressing_style": "path" if path_style else "auto"},
+            max_pool_connections=concurrency,
+            retries={"max_attempts": max_attempts, "mode": "standard"},
+            connect_timeout=connect_timeout_s,
+            read_timeout=read_timeout_s,
+            tcp_keepalive=True,
+            # Checksums only where S3 demands them: the default CRC trailers of new botocore cost CPU on
+            # every part and are refused by some S3-compatible servers. ETags still guard integrity.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        kwargs = {}
+        if access_key and secret_key:
+            kwargs = {"aws_access_key_id": access_key, "aws_secret_access_key": secret_key}
+        self._client = session.client("s3", endpoint_url=endpoint_url, config=cfg, **kwargs)
+        # Count every HTTP attempt, so statistics show retries (attempts - requests).
+        self._client.meta.events.register("request-created.s3", self._count_attempt)
+
+    def _count_attempt(self, request, **_kwargs) -> None:
+        self._counters.add("attempts")
+
+    def statistics(self) -> dict[str, int]:
+        return self._counters.snapshot()
+
+    # -- error translation ----------------------------------------------------------------------
+    def _call(self, op: str, key: str, fn, **kwargs):
+        import botocore.exceptions as bex
+
+        self._counters.add(op)
+        try:
+            return fn(**kwargs)
+        except bex.ClientError as e:
+            err = e.response.get("Error", {})
+            meta = e.response.get("ResponseMetadata", {})
+            code = str(err.get("Code", ""))
+            status = int(meta.get("HTTPStatusCode", 0) or 0)
+            self._counters.add("errors")
+            raise errors.from_s3(code, status, str(err.get("Message", "")) or code,
+                                 request_id=meta.get("RequestId", ""), key=key) from None
+        except bex.NoCredentialsError:
+            self._counters.add("errors")
+            raise errors.StoreError(errors.EACCES, "no AWS credentials found (environment, profile or "
+                                    "instance role)", key=key) from None
+        except (bex.EndpointConnectionError, bex.ConnectionClosedError, bex.ReadTimeoutError,
+                bex.ConnectTimeoutError, bex.ProxyConnectionError) as e:
+            self._counters.add("errors")
+            raise errors.connection_error(f"store unreachable: {e}", key=key) from None
+        except bex.BotoCoreError as e:
+            self._counters.add("errors")
+            raise errors.connection_error(f"store request failed: {e}", key=key) from None
+
+    @staticmethod
+    def _info_from_head(key: str, resp: dict, size: int | None = None) -> ObjectInfo:
+        lm = resp.get("LastModified")
+        mtime_ns = int(lm.timestamp() * 1e9) if lm is not None else 0
+        if size is None:
+            size = int(resp.get("ContentLength", 0))
+        return ObjectInfo(key, size, _split_etag(resp.get("ETag")), mtime_ns)
+
+    # -- reads --------------------------------------------------------------------------------
+    def head(self, bucket: str, key: str) -> ObjectInfo:
+        resp = self._call("head", key, self._client.head_object, Bucket=bucket, Key=key)
+        return self._info_from_head(key, resp)
+
+    def get(self, bucket: str, key: str, start: int = 0, length: int | None = None, *,
+            etag: str | None = None) -> tuple[bytes, ObjectInfo]:
+        import botocore.exceptions as bex
+        import urllib3.exceptions as uex
+
+        kwargs: dict = {"Bucket": bucket, "Key": key}
+        if start or length is not None:
+            if length == 0:
+                # An empty range cannot be expressed in HTTP; the caller wants no bytes.
+                return b"", self.head(bucket, key)
+            end = "" if length is None else str(start + length - 1)
+            kwargs["Range"] = f"bytes={start}-{end}"
+        if etag:
+            kwargs["IfMatch"] = f'"{etag}"'
+        delay = 0.1
+        for attempt in range(1, self.max_attempts + 1):
+            resp = self._call("get", key, self._client.get_object, **kwargs)
+            try:
+                data = resp["Body"].read()
+            except (bex.IncompleteReadError, bex.ReadTimeoutError, bex.ResponseStreamingError,
+                    uex.HTTPError, ConnectionError) as e:
+                # The status line came back but the body broke off. botocore does not retry a body
+                # it has handed over, so retry here; never return a short read.
+                self._counters.add("body_retries")
+                if attempt == self.max_attempts:
+                    raise errors.connection_error(f"body of GET broke off: {e}", key=key) from None
+                log.warning("GET %s: body broke off (%s), retrying (attempt %d)", key, e, attempt)
+                time.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, 5.0)
+                continue
+            self._counters.add("get_bytes", len(data))
+            total = None
+            cr = resp.get("ContentRange")
+            if cr and "/" in cr:
+                tail = cr.rsplit("/", 1)[1]
+                total = int(tail) if tail.isdigit() else None
+            if total is None:
+                total = len(data) if "Range" not in kwargs else start + len(data)
+            expected = int(resp.get("ContentLength", len(data)))
+            if len(data) != expected:
+                raise errors.connection_error(f"GET returned {len(data)} bytes, expected {expected}", key=key)
+            return data, self._info_from_head(key, resp, size=total)
+        raise AssertionError("unreachable")
+
+    def list_page(self, bucket: str, prefix: str, *, delimiter: str = "/", token: str | None = None,
+                  max_keys: int = 1000) -> ListPage:
+        kwargs: dict = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": max_keys}
+        if delimiter:
+            kwargs["Delimiter"] = delimiter
+        if token:
+            kwargs["ContinuationToken"] = token
+        resp = self._call("list", prefix, self._client.list_objects_v2, **kwargs)
+        objects = [ObjectInfo(o["Key"], int(o["Size"]), _split_etag(o.get("ETag")),
+                              int(o["LastModified"].timestamp() * 1e9))
+                   for o in resp.get("Contents", ())]
+        prefixes = [p["Prefix"] for p in resp.get("CommonPrefixes", ())]
+        nxt = resp.get("NextContinuationToken") if resp.get("IsTruncated") else None
+        return ListPage(objects, prefixes, nxt)
+
+    def check_bucket(self, bucket: str) -> None:
+        self._call("head_bucket", bucket, self._client.head_bucket, Bucket=bucket)
+
+    # -- writes -------------------------------------------------------------------------------
+    def put(self, bucket: str, key: str, body: bytes | BinaryIO, size: int) -> ObjectInfo:
+        _check_key(key)
+        resp = self._call("put", key, self._client.put_object, Bucket=bucket, Key=key,
+                          Body=body, ContentLength=size)
+        self._counters.add("put_bytes", size)
+        return ObjectInfo(key, size, _split_etag(resp.get("ETag")), time.time_ns())
+
+    def create_multipart(self, bucket: str, key: str) -> str:
+        _check_key(key)
+        resp = self._call("create_multipart", key, self._client.create_multipart_upload,
+                          Bucket=bucket, Key=key)
+        return resp["UploadId"]
+
+    def upload_part(self, bucket: str, key: str, upload_id: str, part_number: int,
+                    body: bytes | BinaryIO, size: int) -> str:
+        resp = self._call("upload_part", key, self._client.upload_part, Bucket=bucket, Key=key,
+                          UploadId=upload_id, PartNumber=part_number, Body=body, ContentLength=size)
+        self._counters.add("put_bytes", size)
+        return _split_etag(resp.get("ETag"))
+
+    def complete_multipart(self, bucket: str, key: str, upload_id: str,
+                           parts: list[tuple[int, str]]) -> ObjectInfo:
+        resp = self._call("complete_multipart", key, self._client.complete_multipart_upload,
+                          Bucket=bucket, Key=key, UploadId=upload_id,
+                          MultipartUpload={"Parts": [{"PartNumber": n, "ETag": f'"{e}"'}
+                                                     for n, e in parts]})
+        return ObjectInfo(key, -1, _split_etag(resp.get("ETag")), time.time_ns())
+
+    def abort_multipart(self, bucket: str, key: str, upload_id: str) -> None:
+        try:
+            self._call("abort_multipart", key, self._client.abort_multipart_upload, Bucket=bucket,
+                       Key=key, UploadId=upload_id)
+        except errors.StoreError as e:
+            if e.errno != errors.ENOENT:
+                raise
+
+    def list_multipart(self, bucket: str, prefix: str) -> list[Upload]:
+        out: list[Upload] = []
+        kwargs: dict = {"Bucket": bucket, "Prefix": prefix}
+        while True:
+            resp = self._call("list_multipart", prefix, self._client.list_multipart_uploads, **kwargs)
+            out.extend(Upload(u["Key"], u["UploadId"]) for u in resp.get("Uploads", ()))
+            if not resp.get("IsTruncated"):
+                return out
+            kwargs["KeyMarker"] = resp.get("NextKeyMarker")
+            kwargs["UploadIdMarker"] = resp.get("NextUploadIdMarker")
+
+    def copy(self, bucket: str, src_key: str, dst_key: str) -> ObjectInfo:
+        _check_key(dst_key)
+        src = self.head(bucket, src_key)
+        if src.size <= MAX_SINGLE_COPY_BYTES:
+            resp = self._call("copy", dst_key, self._client.copy_object, Bucket=bucket, Key=dst_key,
+                              CopySource={"Bucket": bucket, "Key": src_key},
+                              CopySourceIfMatch=f'"{src.etag}"')
+            etag = _split_etag(resp.get("CopyObjectResult", {}).get("ETag"))
+            return ObjectInfo(dst_key, src.size, etag, time.time_ns())
+        # Larger than one CopyObject may be: copy in parts on the server side.
+        part = 1024 ** 3
+        upload_id = self.create_multipart(bucket, dst_key)
+        try:
+            parts = []
+            for n, off in enumerate(range(0, src.size, part), start=1):
+                end = min(off + part, src.size) - 1
+                resp = self._call("upload_part_copy", dst_key, self._client.upload_part_copy,
+                                  Bucket=bucket, Key=dst_key, UploadId=upload_id, PartNumber=n,
+                                  CopySource={"Bucket": bucket, "Key": src_key},
+                                  CopySourceRange=f"bytes={off}-{end}",
+                                  CopySourceIfMatch=f'"{src.etag}"')
+                parts.append((n, _split_etag(resp["CopyPartResult"]["ETag"])))
+            info = self.complete_multipart(bucket, dst_key, upload_id, parts)
+            return ObjectInfo(dst_key, src.size, info.etag, info.mtime_ns)
+        except BaseException:
+            self.abort_multipart(bucket, dst_key, upload_id)
+            raise
+
+    def delete(self, bucket: str, key: str) -> None:
+        self._call("delete", key, self._client.delete_object, Bucket=bucket, Key=key)
+
+
+# --------------------------------------------------------------------------------------------------
+# Local directory
+
+
+class LocalStore:
+    """Objects as files under a directory; the bucket is the directory's path.
+
+    Used for the embedded default volume and for demos without an S3 server. Keys map to paths; a
+    key ending in "/" is a directory marker (a directory). A local file system cannot hold both "a"
+    and "a/b" as objects, and an emptied directory stays until removed; that is the price of keeping
+    the files readable with ordinary tools.
+    """
+
+    name = "local"
+    _MULTIPART = ".ucfs-multipart"
+
+    def __init__(self) -> None:
+        self._counters = Counters()
+
+    def statistics(self) -> dict[str, int]:
+        return self._counters.snapshot()
+
+    @staticmethod
+    def _path(bucket: str, key: str) -> str:
+        if ".." in key.split("/"):
+            raise errors.StoreError(errors.EINVAL, "'..' is not allowed in a key", key=key)
+        return os.path.join(bucket, key)
+
+    @staticmethod
+    def _etag(st: os.stat_result) -> str:
+        return hashlib.md5(f"{st.st_ino}:{st.st_mtime_ns}:{st.st_size}".encode()).hexdigest()
+
+    def _info(self, key: str, st: os.stat_result) -> ObjectInfo:
+        return ObjectInfo(key, st.st_size, self._etag(st), st.st_mtime_ns)
+
+    def _wrap(self, key: str, e: OSError) -> errors.StoreError:
+        err = e.errno if e.errno in (errors.ENOENT, errors.EACCES, errors.ENAMETOOLONG, errors.ENOSPC) \
+            else errors.EIO
+        if e.errno in (errors.ENOTDIR, errors.EISDIR):
+            err = errors.ENOENT
+        return errors.StoreError(err, e.strerror or str(e), key=key)
+
+    def head(self, bucket: str, key: str) -> ObjectInfo:
+        self._counters.add("head")
+        path = self._path(bucket, key)
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            raise self._wrap(key, e) from None
+        if key.endswith("/"):
+            if not os.path.isdir(path):
+                raise errors.StoreError(errors.ENOENT, "no such key", key=key)
+            return ObjectInfo(key, 0, "dir", st.st_mtime_ns)
+        if not os.path.isfile(path):
+            raise errors.StoreError(errors.ENOENT, "no such key", key=key)
+        return self._info(key, st)
+
+    def get(self, bucket: str, key: str, start: int = 0, length: int | None = None, *,
+            etag: str | None = None) -> tuple[bytes, ObjectInfo]:
+        self._counters.add("get")
+        try:
+            with open(self._path(bucket, key), "rb") as f:
+                st = os.fstat(f.fileno())
+                info = self._info(key, st)
+                if etag and info.etag != etag:
+                    raise errors.StaleError(key)
+                n = st.st_size - start if length is None else length
+                data = os.pread(f.fileno(), max(n, 0), start)
+        except IsADirectoryError:
+            raise errors.StoreError(errors.ENOENT, "no such key", key=key) from None
+        except errors.StoreError:
+            raise
+        except OSError as e:
+            raise self._wrap(key, e) from None
+        self._counters.add("get_bytes", len(data))
+        return data, info
+
+    def list_page(self, bucket: str, prefix: str, *, delimiter: str = "/", token: str | None = None,
+                  max_keys: int = 1000) -> ListPage:
+        self._counters.add("list")
+        # Only directory-shaped prefixes ("" or ending in "/") are needed by the file system; a
+        # name-prefix inside a directory is answered by filtering that directory.
+        dir_part, _, name_part = prefix.rpartition("/")
+        base = dir_part + "/" if dir_part else ""
+        entries: list[tuple[str, bool, os.stat_result | None]] = []
+        if not delimiter:
+            # Every directory is a marker key ("a/b/"), every file an object key, as in S3.
+            for root, dirs, files in os.walk(self._path(bucket, base) if base else bucket):
+                dirs[:] = [d for d in dirs if d != self._MULTIPART]
+                rel = os.path.relpath(root, bucket)
+                rel = "" if rel == "." else rel + "/"
+                if rel and rel.startswith(prefix):
+                    entries.append((rel, False, None))
+                for f in files:
+                    if (rel + f).startswith(prefix) and not f.startswith(".ucfs-tmp-"):
+                        entries.append((rel + f, False, None))
+        else:
+            try:
+                with os.scandir(self._path(bucket, base) if base else bucket) as it:
+                    for e in it:
+                        if e.name == self._MULTIPART or e.name.startswith(".ucfs-tmp-"):
+                            continue
+                        if not e.name.startswith(name_part):
+                            continue
+                        isdir = e.is_dir(follow_symlinks=False)
+                        entries.append((base + e.name + ("/" if isdir else ""), isdir, None))
+            except (FileNotFoundError, NotADirectoryError):
+                pass
+            except OSError as e:
+                raise self._wrap(prefix, e) from None
+            if prefix.endswith("/") and os.path.isdir(self._path(bucket, prefix)) and prefix:
+                entries.append((prefix, False, None))  # the directory's own marker
+        entries.sort()
+        start = 0
+        if token:
+            start = next((i for i, (k, _, _) in enumerate(entries) if k > token), len(entries))
+        chunk = entries[start:start + max_keys]
+        objects, prefixes = [], []
+        for k, isdir, _ in chunk:
+            if isdir:
+                prefixes.append(k)
+                continue
+            try:
+                st = os.stat(self._path(bucket, k))
+            except OSError:
+                continue
+            objects.append(ObjectInfo(k, 0, "dir", st.st_mtime_ns) if k.endswith("/")
+                           else self._info(k, st))
+        nxt = chunk[-1][0] if start + max_keys < len(entries) else None
+        return ListPage(objects, prefixes, nxt)
+
+    def _atomic_write(self, path: str, chunks: Iterable[bytes]) -> os.stat_result:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = os.path.join(os.path.dirname(path), f".ucfs-tmp-{uuid.uuid4().hex}")
+        with open(tmp, "wb") as f:
+            for c in chunks:
+                f.write(c)
+        os.replace(tmp, path)
+        return os.stat(path)
+
+    def put(self, bucket: str, key: str, body: bytes | BinaryIO, size: int) -> ObjectInfo:
+        self._counters.add("put")
+        _check_key(key)
+        path = self._path(bucket, key)
+        try:
+            if key.endswith("/"):
+                os.makedirs(path, exist_ok=True)
+                return ObjectInfo(key, 0, "dir", os.stat(path).st_mtime_ns)
+            st = self._atomic_write(path, [_read_body(body, size)])
+        except OSError as e:
+            raise self._wrap(key, e) from None
+        self._counters.add("put_bytes", size)
+        return self._info(key, st)
+
+    def _mp_dir(self, bucket: str, upload_id: str) -> str:
+        return os.path.join(bucket, self._MULTIPART, upload_id)
+
+    def create_multipart(self, bucket: str, key: str) -> str:
+        _check_key(key)
+        upload_id = uuid.uuid4().hex
+        d = self._mp_dir(bucket, upload_id)
+        os.makedirs(d)
+        with open(os.path.join(d, "key"), "w") as f:
+            f.write(key)
+        return upload_id
+
+    def upload_part(self, bucket: str, key: str, upload_id: str, part_number: int,
+                    body: bytes | BinaryIO, size: int) -> str:
+        self._counters.add("upload_part")
+        data = _read_body(body, size)
+        d = self._mp_dir(bucket, upload_id)
+        if not os.path.isdir(d):
+            raise errors.StoreError(errors.ENOENT, "no such upload", key=key, code="NoSuchUpload")
+        with open(os.path.join(d, f"{part_number:05d}"), "wb") as f:
+            f.write(data)
+        return hashlib.md5(data).hexdigest()
+
+    def complete_multipart(self, bucket: str, key: str, upload_id: str,
+                           parts: list[tuple[int, str]]) -> ObjectInfo:
+        d = self._mp_dir(bucket, upload_id)
+        if not os.path.isdir(d):
+            raise errors.StoreError(errors.ENOENT, "no such upload", key=key, code="NoSuchUpload")
+
+        def chunks():
+            for n, _ in sorted(parts):
+                with open(os.path.join(d, f"{n:05d}"), "rb") as f:
+                    yield f.read()
+
+        st = self._atomic_write(self._path(bucket, key), chunks())
+        self.abort_multipart(bucket, key, upload_id)
+        return self._info(key, st)
+
+    def abort_multipart(self, bucket: str, key: str, upload_id: str) -> None:
+        import shutil
+
+        shutil.rmtree(self._mp_dir(bucket, upload_id), ignore_errors=True)
+
+    def list_multipart(self, bucket: str, prefix: str) -> list[Upload]:
+        out = []
+        root = os.path.join(bucket, self._MULTIPART)
+        for upload_id in sorted(os.listdir(root)) if os.path.isdir(root) else ():
+            try:
+                with open(os.path.join(root, upload_id, "key")) as f:
+                    key = f.read()
+            except OSError:
+                continue
+            if key.startswith(prefix):
+                out.append(Upload(key, upload_id))
+        return out
+
+    def copy(self, bucket: str, src_key: str, dst_key: str) -> ObjectInfo:
+        self._counters.add("copy")
+        _check_key(dst_key)
+        if src_key.endswith("/"):
+            return self.put(bucket, dst_key, b"", 0)  # a directory marker
+        try:
+            with open(self._path(bucket, src_key), "rb") as f:
+                st = self._atomic_write(self._path(bucket, dst_key), iter(lambda: f.read(1 << 20), b""))
+        except OSError as e:
+            raise self._wrap(src_key, e) from None
+        return self._info(dst_key, st)
+
+    def delete(self, bucket: str, key: str) -> None:
+        self._counters.add("delete")
+        path = self._path(bucket, key)
+        try:
+            if key.endswith("/"):
+                os.rmdir(path)
+            else:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass  # S3 deletes are idempotent
+        except OSError as e:
+            if e.errno == errors.ENOTEMPTY:
+                return  # the marker "goes away" but the prefix stays, as in S3
+            raise self._wrap(key, e) from None
+
+    def check_bucket(self, bucket: str) -> None:
+        if not os.path.isdir(bucket):
+            raise errors.StoreError(errors.ENXIO, f"local store directory {bucket!r} does not exist",
+                                    code="NoSuchBucket")
+
+
+# --------------------------------------------------------------------------------------------------
+# In memory
+
+
+@dataclass
+class _MemObject:
+    data: bytes
+    etag: str
+    mtime_ns: int
+
+
+@dataclass
+class MemoryStore:
+    """Objects in a dict, for unit tests. Same semantics as S3 for everything the file system uses."""
+
+    name: str = "memory"
+    buckets: dict[str, dict[str, _MemObject]] = field(default_factory=dict)
+    _uploads: dict[str, dict] = field(default_factory=dict)
+    _counters: Counters = field(default_factory=Counters)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def statistics(self) -> dict[str, int]:
+        return self._counters.snapshot()
+
+    def _bucket(self, bucket: str) -> dict[str, _MemObject]:
+        try:
+            return self.buckets[bucket]
+        except KeyError:
+            raise errors.from_s3("NoSuchBucket", 404, "no such bucket", key=bucket) from None
+
+    def _obj(self, bucket: str, key: str) -> _MemObject:
+        try:
+            return self._bucket(bucket)[key]
+        except KeyError:
+            raise errors.from_s3("NoSuchKey", 404, "no such key", key=key) from None
+
+    def put_bytes(self, bucket: str, key: str, data: bytes) -> ObjectInfo:
+        """Test helper: create the bucket if needed and store `data`."""
+        self.buckets.setdefault(bucket, {})
+        return self.put(bucket, key, data, len(data))
+
+    def head(self, bucket: str, key: str) -> ObjectInfo:
+        self._counters.add("head")
+        o = self._obj(bucket, key)
+        return ObjectInfo(key, len(o.data), o.etag, o.mtime_ns)
+
+    def get(self, bucket: str, key: str, start: int = 0, length: int | None = None, *,
+            etag: str | None = None) -> tuple[bytes, ObjectInfo]:
+        self._counters.add("get")
+        o = self._obj(bucket, key)
+        if etag and o.etag != etag:
+            raise errors.StaleError(key)
+        if start and start >= len(o.data):
+            raise errors.from_s3("InvalidRange", 416, "range not satisfiable", key=key)
+        end = len(o.data) if length is None else start + length
+        data = o.data[start:end]
+        self._counters.add("get_bytes", len(data))
+        return data, ObjectInfo(key, len(o.data), o.etag, o.mtime_ns)
+
+    def list_page(self, bucket: str, prefix: str, *, delimiter: str = "/", token: str | None = None,
+                  max_keys: int = 1000) -> ListPage:
+        self._counters.add("list")
+        with self._lock:
+            keys = sorted(k for k in self._bucket(bucket) if k.startswith(prefix))
+        entries: list[tuple[str, bool]] = []
+        seen_prefix: set[str] = set()
+        for k in keys:
+            rest = k[len(prefix):]
+            if delimiter and delimiter in rest:
+                p = prefix + rest.split(delimiter, 1)[0] + delimiter
+                if p not in seen_prefix:
+                    seen_prefix.add(p)
+                    entries.append((p, True))
+            else:
+                entries.append((k, False))
+        if token:
+            entries = [e for e in entries if e[0] > token]
+        chunk = entries[:max_keys]
+        b = self._bucket(bucket)
+        objects = [ObjectInfo(k, len(b[k].data), b[k].etag, b[k].mtime_ns) for k, isp in chunk if not isp]
+        prefixes = [k for k, isp in chunk if isp]
+        nxt = chunk[-1][0] if len(entries) > max_keys else None
+        return ListPage(objects, prefixes, nxt)
+
+    def put(self, bucket: str, key: str, body: bytes | BinaryIO, size: int) -> ObjectInfo:
+        self._counters.add("put")
+        _check_key(key)
+        data = _read_body(body, size)
+        o = _MemObject(data, hashlib.md5(data).hexdigest(), time.time_ns())
+        with self._lock:
+            self._bucket(bucket)[key] = o
+        self._counters.add("put_bytes", size)
+        return ObjectInfo(key, size, o.etag, o.mtime_ns)
+
+    def create_multipart(self, bucket: str, key: str) -> str:
+        self._counters.add("create_multipart")
+        _check_key(key)
+        self._bucket(bucket)
+        upload_id = uuid.uuid4().hex
+        with self._lock:
+            self._uploads[upload_id] = {"bucket": bucket, "key": key, "parts": {}}
+        return upload_id
+
+    def upload_part(self, bucket: str, key: str, upload_id: str, part_number: int,
+                    body: bytes | BinaryIO, size: int) -> str:
+        self._counters.add("upload_part")
+        data = _read_body(body, size)
+        with self._lock:
+            up = self._uploads.get(upload_id)
+            if up is None:
+                raise errors.from_s3("NoSuchUpload", 404, "no such upload", key=key)
+            up["parts"][part_number] = data
+        return hashlib.md5(data).hexdigest()
+
+    def complete_multipart(self, bucket: str, key: str, upload_id: str,
+                           parts: list[tuple[int, str]]) -> ObjectInfo:
+        self._counters.add("complete_multipart")
+        with self._lock:
+            up = self._uploads.pop(upload_id, None)
+        if up is None:
+            raise errors.from_s3("NoSuchUpload", 404, "no such upload", key=key)
+        data = b"".join(up["parts"][n] for n, _ in sorted(parts))
+        digest = hashlib.md5(b"".join(bytes.fromhex(e) for _, e in sorted(parts))).hexdigest()
+        o = _MemObject(data, f"{digest}-{len(parts)}", time.time_ns())
+        with self._lock:
+            self._bucket(bucket)[key] = o
+        return ObjectInfo(key, len(data), o.etag, o.mtime_ns)
+
+    def abort_multipart(self, bucket: str, key: str, upload_id: str) -> None:
+        self._counters.add("abort_multipart")
+        with self._lock:
+            self._uploads.pop(upload_id, None)
+
+    def list_multipart(self, bucket: str, prefix: str) -> list[Upload]:
+        with self._lock:
+            return [Upload(u["key"], uid) for uid, u in self._uploads.items()
+                    if u["bucket"] == bucket and u["key"].startswith(prefix)]
+
+    def copy(self, bucket: str, src_key: str, dst_key: str) -> ObjectInfo:
+        self._counters.add("copy")
+        _check_key(dst_key)
+        o = self._obj(bucket, src_key)
+        n = _MemObject(o.data, o.etag, time.time_ns())
+        with self._lock:
+            self._bucket(bucket)[dst_key] = n
+        return ObjectInfo(dst_key, len(o.data), n.etag, n.mtime_ns)
+
+    def delete(self, bucket: str, key: str) -> None:
+        self._counters.add("delete")
+        with self._lock:
+            self._bucket(bucket).pop(key, None)
+
+    def check_bucket(self, bucket: str) -> None:
+        self._bucket(bucket)
