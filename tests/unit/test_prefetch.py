@@ -1,0 +1,218 @@
+"""Read-ahead decisions, counted in store requests (not time) against the in-memory store."""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+
+import pytest
+import trio
+
+from ucfs.aiostore import AsyncStore
+from ucfs.cache import BlockCache, ObjectVersion
+from ucfs.config import KiB, MiB, MountConfig
+from ucfs.errors import StaleError
+from ucfs.prefetch import MemoryBudget, ObjectReader
+from ucfs.store import MemoryStore
+
+
+class CountingStore(MemoryStore):
+    """MemoryStore that records every ranged GET as (start, length)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ranges: list[tuple[int, int]] = []
+
+    def get(self, bucket, key, start=0, length=None, *, etag=None):
+        data, info = super().get(bucket, key, start, length, etag=etag)
+        self.ranges.append((start, len(data)))
+        return data, info
+
+
+def make_object(store: CountingStore, size: int, key: str = "obj") -> bytes:
+    data = os.urandom(size)
+    store.put_bytes("b", key, data)
+    return data
+
+
+async def open_reader(store, cache, cfg, nursery, key="obj", budget=None):
+    info = store.head("b", key)
+    version = ObjectVersion("mem", "b", key, info.etag)
+    return ObjectReader(store=AsyncStore(store, 16), bucket="b", key=key, version=version, size=info.size,
+                        cache=cache, budget=budget or MemoryBudget(cfg.readahead_budget_bytes), cfg=cfg,
+                        nursery=nursery)
+
+
+def run(fn):
+    return trio.run(fn)
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    return MountConfig(cache_dir=tmp_path / "cache")
+
+
+@pytest.fixture
+def cache(tmp_path, cfg):
+    return BlockCache(tmp_path / "cache", size_bytes=1 << 30, free_floor_bytes=0, block_bytes=cfg.block_bytes)
+
+
+def test_sequential_read_uses_large_parts_after_a_small_first_request(cfg, cache):
+    store = CountingStore()
+    data = make_object(store, 64 * MiB)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            r = await open_reader(store, cache, cfg, n)
+            out = bytearray()
+            for off in range(0, len(data), 128 * KiB):
+                out += await r.read(off, 128 * KiB)
+            r.close()
+            return bytes(out)
+
+    assert run(main) == data
+    first_start, first_len = store.ranges[0]
+    assert first_start == 0 and first_len <= 2 * MiB  # a file read only at its head costs little
+    assert max(n for _, n in store.ranges) == cfg.part_bytes  # the stream reaches whole parts
+    assert sum(n for _, n in store.ranges) == len(data)  # nothing fetched twice
+    assert len(store.ranges) <= 64 // 8 + 4  # ramp-up costs a few requests, then one per part
+
+
+def test_small_file_costs_exactly_one_get(cfg, cache):
+    store = CountingStore()
+    data = make_object(store, 150 * KiB)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            r = await open_reader(store, cache, cfg, n)
+            out = bytes(await r.read(0, 128 * KiB)) + bytes(await r.read(128 * KiB, 128 * KiB))
+            assert await r.read(150 * KiB, 4096) == b""
+            r.close()
+            return out
+
+    assert run(main) == data
+    assert store.ranges == [(0, 150 * KiB)]
+
+
+def test_random_reads_fetch_only_the_blocks_they_touch(cfg, cache):
+    store = CountingStore()
+    data = make_object(store, 256 * MiB)
+    rng = random.Random(7)
+    # Far apart (a seek each time), in random order.
+    offsets = [i * 6 * MiB + rng.randrange(0, MiB) for i in range(40)]
+    rng.shuffle(offsets)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            r = await open_reader(store, cache, cfg, n)
+            for off in offsets:
+                assert bytes(await r.read(off, 4096)) == data[off:off + 4096]
+            r.close()
+
+    run(main)
+    # Each random 4 KiB read costs at most the block(s) it touches, never read-ahead.
+    assert all(n <= 2 * cfg.block_bytes for _, n in store.ranges)
+    assert sum(n for _, n in store.ranges) <= (len(offsets) + 1) * 2 * cfg.block_bytes
+
+
+def test_footer_read_does_not_fetch_the_whole_file(cfg, cache):
+    store = CountingStore()
+    data = make_object(store, 100 * MiB)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            r = await open_reader(store, cache, cfg, n)
+            tail = await r.read(len(data) - 8, 8)
+            footer = await r.read(len(data) - 64 * KiB, 64 * KiB)
+            r.close()
+            return bytes(tail), bytes(footer)
+
+    tail, footer = run(main)
+    assert tail == data[-8:] and footer == data[-64 * KiB:]
+    assert sum(n for _, n in store.ranges) <= cfg.block_bytes
+
+
+def test_reordered_requests_keep_the_stream(cfg, cache):
+    """FUSE may hand us concurrent requests out of order; the stream must survive it."""
+    store = CountingStore()
+    data = make_object(store, 48 * MiB)
+    offsets = list(range(0, len(data), 128 * KiB))
+    for i in range(0, len(offsets) - 1, 2):  # swap neighbours
+        offsets[i], offsets[i + 1] = offsets[i + 1], offsets[i]
+
+    async def main():
+        async with trio.open_nursery() as n:
+            r = await open_reader(store, cache, cfg, n)
+            out = {}
+            for off in offsets:
+                out[off] = bytes(await r.read(off, 128 * KiB))
+            r.close()
+            return b"".join(out[o] for o in sorted(out)), r.stats
+
+    got, stats = run(main)
+    assert got == data
+    assert stats["random_reads"] == 0
+    assert max(n for _, n in store.ranges) == cfg.part_bytes
+
+
+def test_second_reader_is_served_from_disk_cache(cfg, cache):
+    store = CountingStore()
+    data = make_object(store, 20 * MiB)
+
+    async def read_all():
+        async with trio.open_nursery() as n:
+            r = await open_reader(store, cache, cfg, n)
+            out = bytearray()
+            for off in range(0, len(data), MiB):
+                out += await r.read(off, MiB)
+            r.close()
+            return bytes(out)
+
+    assert run(read_all) == data
+    gets = len(store.ranges)
+    assert run(read_all) == data
+    assert len(store.ranges) == gets  # zero GETs the second time
+
+
+def test_changed_object_is_stale_not_mixed(cfg, cache):
+    store = CountingStore()
+    make_object(store, 20 * MiB)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            r = await open_reader(store, cache, cfg, n)
+            await r.read(0, 4096)
+            store.put_bytes("b", "obj", os.urandom(20 * MiB))  # overwritten elsewhere
+            with pytest.raises(StaleError):
+                await r.read(15 * MiB, 4096)
+            r.close()
+
+    run(main)
+
+
+def test_memory_budget_bounds_readahead_and_is_returned(cfg, cache):
+    cfg = cfg.replace(readahead_budget_bytes=24 * MiB)
+    store = CountingStore()
+    for i in range(8):
+        make_object(store, 32 * MiB, key=f"o{i}")
+    budget = MemoryBudget(cfg.readahead_budget_bytes)
+    peak = 0
+
+    async def one(n, key):
+        nonlocal peak
+        r = await open_reader(store, cache, cfg, n, key=key, budget=budget)
+        for off in range(0, 32 * MiB, 256 * KiB):
+            await r.read(off, 256 * KiB)
+            peak = max(peak, budget.used_bytes)
+        r.close()
+
+    async def main():
+        async with trio.open_nursery() as n:
+            for i in range(8):
+                n.start_soon(one, n, f"o{i}")
+
+    run(main)
+    # Read-ahead stays inside the budget; only reads being waited on (one block each) may exceed it.
+    assert peak <= cfg.readahead_budget_bytes + 8 * 2 * cfg.block_bytes
+    assert budget.used_bytes == 0

@@ -1,0 +1,319 @@
+"""`ucfs mount | unmount | status | bench`: the only reader of argv and the environment.
+
+Errors a user can fix (bad config, unreachable store, bad mountpoint) print one line and exit 1;
+tracebacks are for bugs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import logging.handlers
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import __version__
+from .catalog import Catalog
+from .config import MountConfig, default_state_dir, parse_size
+from .errors import UcfsError
+
+log = logging.getLogger("ucfs")
+
+DEFAULT_MOUNTPOINT = "/Volumes"
+SYSTEM_CATALOG = Path("/etc/ucfs/catalog.toml")
+
+
+def demo_store_dir() -> Path:
+    if os.geteuid() == 0:
+        return Path("/var/lib/ucfs/samples")
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "ucfs" / "samples"
+
+
+def seed_demo_store(root: Path) -> None:
+    """Fill the embedded sample volume with a few files the first time, so there is something to see."""
+    if root.exists() and any(root.iterdir()):
+        return
+    (root / "tables" / "iris").mkdir(parents=True, exist_ok=True)
+    (root / "README.txt").write_text(
+        "This is the sample volume main.default.samples of ucfs's embedded default catalog.\n"
+        "Its objects are files under " + str(root) + ".\n"
+        "Point ucfs at S3 or MinIO with a catalog file: ucfs mount --config catalog.toml\n")
+    rows = ["sepal_length,sepal_width,petal_length,petal_width,species"]
+    for i in range(150):
+        sp = ("setosa", "versicolor", "virginica")[i // 50]
+        rows.append(f"{4.3 + (i % 35) / 10:.1f},{2.0 + (i % 24) / 10:.1f},{1.0 + (i % 59) / 10:.1f},"
+                    f"{0.1 + (i % 25) / 10:.1f},{sp}")
+    (root / "tables" / "iris" / "iris.csv").write_text("\n".join(rows) + "\n")
+    (root / "checkpoints").mkdir(exist_ok=True)
+
+
+def _setup_logging(level: str, logfile: Path | None) -> None:
+    handler: logging.Handler
+    if logfile is not None:
+        handler = logging.handlers.RotatingFileHandler(logfile, maxBytes=10 << 20, backupCount=3)
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(getattr(logging, level.upper(), logging.INFO))
+    # botocore logs request details (never credentials) at DEBUG; keep it quiet unless asked.
+    for noisy in ("botocore", "boto3", "urllib3", "s3transfer"):
+        logging.getLogger(noisy).setLevel(logging.WARNING if level.upper() != "TRACE" else logging.DEBUG)
+
+
+def _load_catalog(args) -> Catalog:
+    path = args.config or os.environ.get("UCFS_CONFIG")
+    if path:
+        return Catalog.load(path)
+    if SYSTEM_CATALOG.exists():
+        return Catalog.load(SYSTEM_CATALOG)
+    demo = demo_store_dir()
+    seed_demo_store(demo)
+    return Catalog.embedded(demo)
+
+
+def _mount_config(args) -> MountConfig:
+    kw = {}
+    if args.cache_dir:
+        kw["cache_dir"] = Path(args.cache_dir) / "cache"
+    if args.cache_size:
+        kw["cache_size_bytes"] = parse_size(args.cache_size)
+    if args.metadata_ttl is not None:
+        kw["metadata_ttl_s"] = args.metadata_ttl
+    if args.allow_other:
+        kw["allow_other"] = True
+    return MountConfig(**kw)
+
+
+def cmd_mount(args) -> int:
+    from .mount import MountOptions, check_mountpoint
+
+    catalog = _load_catalog(args)
+    cfg = _mount_config(args)
+    state_dir = Path(args.cache_dir) if args.cache_dir else default_state_dir()
+    opts = MountOptions(mountpoint=Path(args.mountpoint), state_dir=state_dir,
+                        drain_on_exit=not args.no_drain)
+    check_mountpoint(opts.mountpoint)
+    if not os.path.exists("/dev/fuse"):
+        raise UcfsError("/dev/fuse is missing: load the fuse module (modprobe fuse) or run where FUSE works")
+    if args.foreground:
+        _setup_logging(args.log_level, None)
+        _run_mount(catalog, cfg, opts, ready=lambda: log.info("ready"))
+        return 0
+    return _daemonize(catalog, cfg, opts, args.log_level)
+
+
+def _run_mount(catalog, cfg, opts, ready) -> None:
+    import trio
+
+    from .mount import serve
+
+    trio.run(serve, catalog, cfg, opts, ready)
+
+
+def _daemonize(catalog, cfg, opts, log_level: str) -> int:
+    """Fork; the child mounts and tells the parent over a pipe once the mount is ready (or why not)."""
+    opts.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    logfile = opts.state_dir / "ucfs.log"
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid > 0:
+        os.close(w)
+        chunks = []
+        while True:
+            b = os.read(r, 4096)
+            if not b:
+                break
+            chunks.append(b)
+        os.close(r)
+        msg = b"".join(chunks).decode(errors="replace").strip()
+        if msg == "ok":
+            print(f"ucfs: mounted {len(catalog.volumes)} volume(s) at {opts.mountpoint.absolute()} "
+                  f"(pid {pid}, log {logfile})")
+            return 0
+        print(msg or f"ucfs: the mount daemon exited before it was ready; see {logfile}", file=sys.stderr)
+        return 1
+    # Child: detach from the terminal, log to a file.
+    os.close(r)
+    os.setsid()
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    _setup_logging(log_level, logfile)
+    code = 0
+
+    def ready() -> None:
+        os.write(w, b"ok")
+        os.close(w)
+
+    try:
+        _run_mount(catalog, cfg, opts, ready)
+    except UcfsError as e:
+        log.error("%s", e)
+        _try_write(w, f"ucfs: {e}")
+        code = 1
+    except BaseException as e:  # noqa: BLE001 - report anything to the waiting parent
+        log.exception("mount failed")
+        _try_write(w, f"ucfs: mount failed: {e!r} (see {logfile})")
+        code = 1
+    os._exit(code)
+
+
+def _try_write(fd: int, msg: str) -> None:
+    try:
+        os.write(fd, msg.encode())
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def _ucfs_mounts() -> list[str]:
+    out = []
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            dev, mnt, fstype, *_ = line.split()
+            if fstype == "fuse.ucfs" or (fstype.startswith("fuse") and dev == "ucfs"):
+                out.append(mnt.replace("\\040", " "))
+    return out
+
+
+def read_status(mountpoint: str) -> dict:
+    try:
+        raw = os.getxattr(mountpoint, "user.ucfs.status")
+    except OSError as e:
+        raise UcfsError(f"{mountpoint}: not a ucfs mount or the daemon is not answering "
+                        f"({e.strerror})") from None
+    return json.loads(raw)
+
+
+def cmd_unmount(args) -> int:
+    mnt = os.path.abspath(args.mountpoint)
+    if mnt not in _ucfs_mounts():
+        raise UcfsError(f"{mnt} is not a ucfs mount")
+    if not args.no_wait:
+        _wait_drained(mnt)
+    tool = shutil.which("fusermount3") or shutil.which("fusermount")
+    cmd = [tool, "-u", mnt] if tool else ["umount", mnt]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise UcfsError(f"unmount of {mnt} failed: {res.stderr.strip() or res.stdout.strip()}")
+    print(f"ucfs: unmounted {mnt}")
+    return 0
+
+
+def _wait_drained(mnt: str) -> None:
+    """Show commit progress until nothing is pending, so unmount loses no time and no data."""
+    last = None
+    while True:
+        st = read_status(mnt).get("commits") or {}
+        pending, failed = st.get("pending", 0), st.get("failed", 0)
+        if pending - failed <= 0:
+            if failed:
+                print(f"ucfs: {failed} commit(s) failed permanently; their data stays staged and is "
+                      "retried at the next mount (see ucfs status)", file=sys.stderr)
+            return
+        line = f"ucfs: waiting for {pending} pending commit(s), {st.get('pending_bytes', 0) / 2**20:.1f} MiB"
+        if line != last:
+            print(line, file=sys.stderr)
+            last = line
+        time.sleep(0.5)
+
+
+def cmd_status(args) -> int:
+    mounts = [os.path.abspath(args.mountpoint)] if args.mountpoint else _ucfs_mounts()
+    if not mounts:
+        print("no ucfs mounts")
+        return 0
+    for mnt in mounts:
+        st = read_status(mnt)
+        if args.json:
+            print(json.dumps({mnt: st}, indent=2))
+            continue
+        print(format_status(mnt, st))
+    return 0
+
+
+def format_status(mnt: str, st: dict) -> str:
+    lines = [f"{mnt}"]
+    c = st.get("cache") or {}
+    if c:
+        hits, misses = c.get("hits", 0), c.get("misses", 0)
+        lines.append(f"  cache: {c.get('used_bytes', 0) / 2**20:.1f} MiB of {c.get('limit_bytes', 0) / 2**20:.0f} MiB, "
+                     f"{c.get('blocks', 0)} blocks, hit rate {hits / max(1, hits + misses):.0%}")
+    lines.append(f"  read-ahead in memory: {st.get('readahead_bytes', 0) / 2**20:.1f} MiB "
+                 f"(peak {st.get('readahead_peak_bytes', 0) / 2**20:.1f} MiB, budget "
+                 f"{st.get('readahead_budget_bytes', 0) / 2**20:.0f} MiB)")
+    for name, s in (st.get("stores") or {}).items():
+        reqs = {k: v for k, v in s.items() if k in ("get", "head", "list", "put", "upload_part", "copy", "delete")}
+        retries = max(0, s.get("attempts", 0) - sum(v for k, v in s.items() if k in (
+            "get", "head", "list", "put", "upload_part", "copy", "delete", "head_bucket",
+            "create_multipart", "complete_multipart", "abort_multipart", "list_multipart")))
+        lines.append(f"  store {name}: {reqs}, {s.get('get_bytes', 0) / 2**20:.1f} MiB read, "
+                     f"{s.get('put_bytes', 0) / 2**20:.1f} MiB written, retries {retries}, errors {s.get('errors', 0)}")
+    cm = st.get("commits")
+    if cm:
+        lines.append(f"  commits: {cm.get('pending', 0)} pending ({cm.get('pending_bytes', 0) / 2**20:.1f} MiB), "
+                     f"{cm.get('failed', 0)} failed, {cm.get('committed', 0)} committed")
+        for item in cm.get("items", []):
+            lines.append(f"    {item['state']:<9} {item['path']}  {item['size']} bytes, age {item['age_s']:.0f} s, "
+                         f"attempts {item['attempts']}" + (f", error: {item['error']}" if item.get("error") else ""))
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ucfs", description="Mount S3-compatible object storage at /Volumes.")
+    p.add_argument("--version", action="version", version=f"ucfs {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    m = sub.add_parser("mount", help="mount the volumes of a catalog")
+    m.add_argument("mountpoint", nargs="?", default=DEFAULT_MOUNTPOINT,
+                   help=f"where to mount (default {DEFAULT_MOUNTPOINT})")
+    m.add_argument("--config", help="catalog file (default: $UCFS_CONFIG, /etc/ucfs/catalog.toml, "
+                   "else an embedded sample volume)")
+    m.add_argument("--cache-dir", help=f"local cache, staging and journal (default {default_state_dir()})")
+    m.add_argument("--cache-size", help="largest size of the block cache, e.g. 20G (default 10G)")
+    m.add_argument("--metadata-ttl", type=float, help="seconds metadata is trusted (default 1)")
+    m.add_argument("--allow-other", action="store_true", help="let other users in (grants still apply)")
+    m.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground, log to stderr")
+    m.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "trace"])
+    m.add_argument("--no-drain", action="store_true",
+                   help="on exit, leave pending commits for the next mount instead of waiting")
+    m.set_defaults(fn=cmd_mount)
+
+    u = sub.add_parser("unmount", help="unmount, after pending commits are in the store")
+    u.add_argument("mountpoint")
+    u.add_argument("--no-wait", action="store_true", help="do not wait for pending commits "
+                   "(they are finished at the next mount)")
+    u.set_defaults(fn=cmd_unmount)
+
+    s = sub.add_parser("status", help="cache, read-ahead, store requests and pending commits")
+    s.add_argument("mountpoint", nargs="?")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_status)
+
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except UcfsError as e:
+        print(f"ucfs: {e}", file=sys.stderr)
+        return 1
+    except ValueError as e:
+        print(f"ucfs: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,748 @@
+"""Write-behind: files are written to local staging files and committed to the store in the background.
+
+Life of a written file (README "Semantics": Writes, Durability):
+
+1. Opening for writing gives the inode a `Staged` file in the staging directory (empty for a new or
+   truncated file, otherwise a copy of the object). Every handle, readers included, now reads it:
+   read-your-writes.
+2. `write()` goes to the staging file. A large file written front to back starts a multipart upload
+   while it is being written (`Stream`): each full part is uploaded as soon as it is written, so the
+   commit completes soon after `close()`.
+3. `close()` (FUSE flush) makes the staging file durable (fdatasync) and writes a journal record, then
+   queues the file and returns. From here on a crash loses nothing: the next mount replays the journal.
+4. A bounded pool of commit workers uploads queued files oldest first: one PUT for small files, a
+   multipart upload with parallel parts for large ones. A reader elsewhere sees the old object or the
+   new one, never a mixture: parts are read under the file's lock and the upload is abandoned if the
+   file changed underneath it.
+5. On success the journal row goes; the staging file goes too once no handle has it open and it has
+   not changed since. Transient failures are retried with jittered, capped exponential backoff;
+   permanent ones are kept, logged, shown by `ucfs status` and returned by the next fsync/close.
+
+`fsync(file)` waits until the file's current content is committed; `fsync(dir)` until everything
+pending beneath the directory is.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import os
+import random
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import trio
+
+from . import errors
+from .aiostore import AsyncStore, run_disk
+from .cache import ObjectVersion, ensure_private_dir
+from .catalog import Volume
+from .config import MiB, MountConfig
+from .inodes import Inode, Kind
+from .journal import Journal, Record
+from .store import MAX_OBJECT_BYTES, MAX_PARTS
+
+if TYPE_CHECKING:
+    from .core import Core, FileHandle
+
+log = logging.getLogger(__name__)
+
+# Files up to this size are committed with one PUT; larger ones as a multipart upload.
+SINGLE_PUT_MAX_BYTES = 16 * MiB
+# A stream (upload while writing) starts once a file opened for writing has grown this large by
+# appends only: smaller files are cheaper to send whole at close.
+STREAM_START_BYTES = 32 * MiB
+# Flush written data to the disk in the background every this many bytes, so the fdatasync at
+# close() has little left to do.
+BACKGROUND_SYNC_BYTES = 64 * MiB
+# Retry delays for transient failures: doubling from the first, jittered, capped.
+RETRY_FIRST_S = 0.5
+RETRY_CAP_S = 60.0
+# Parts of one file uploaded at once; parts of all files together are bounded by the store limiter.
+PARTS_IN_FLIGHT_PER_FILE = 8
+# Blocks of a freshly committed file up to this size are put in the block cache straight from the
+# staging file, so reading back what was just written costs no GET.
+CACHE_AFTER_COMMIT_MAX_BYTES = 64 * MiB
+
+
+def part_bytes_for(n: int, base: int) -> int:
+    """Size of part number n (1-based): `base`, doubling every 1,000 parts, so 10,000 parts reach
+    the largest object S3 allows while small files still use small parts."""
+    return base << ((n - 1) // 1000)
+
+
+class _Changed(Exception):
+    """The file changed while it was being committed; commit it again later."""
+
+
+@dataclass(eq=False)
+class Stream:
+    """A multipart upload that runs while the file is being written front to back."""
+
+    key: str
+    upload_id: str | None = None
+    created: trio.Event = field(default_factory=trio.Event)
+    parts: dict[int, str] = field(default_factory=dict)
+    next_off: int = 0  # bytes handed to part uploads so far
+    next_part: int = 1
+    inflight: int = 0
+    idle: trio.Event = field(default_factory=trio.Event)
+    valid: bool = True
+    error: BaseException | None = None
+
+
+@dataclass(eq=False)
+class Staged:
+    node: Inode
+    volume: Volume
+    path: Path  # the staging file
+    fd: int
+    size: int
+    mtime_ns: int
+    rid: int | None = None  # journal row, once the file has been closed with changes
+    generation: int = 0  # bumped by every change
+    flushed_generation: int = -1  # latest generation made durable by close()/fsync
+    committed_generation: int = -1  # latest generation known to be in the store
+    handles: int = 0
+    writers: int = 0
+    error: OSError | None = None  # permanent commit failure
+    attempts: int = 0
+    queued: bool = False
+    dropped: bool = False  # unlinked: never commit
+    appends_only: bool = True  # every write so far extended the file (stream candidate)
+    stream: Stream | None = None
+    unsynced: int = 0
+    created_at: float = field(default_factory=time.time)
+    lock: trio.Lock = field(default_factory=trio.Lock)  # data changes vs. snapshot reads
+    commit_lock: trio.Lock = field(default_factory=trio.Lock)  # one commit at a time
+    progress: trio.Event = field(default_factory=trio.Event)  # set (and replaced) on commit or failure
+
+    @property
+    def dirty(self) -> bool:
+        return self.committed_generation < self.generation
+
+    def notify(self) -> None:
+        self.progress.set()
+        self.progress = trio.Event()
+
+
+class Committer:
+    def __init__(self, state_dir: Path, core: "Core", cfg: MountConfig, *, workers: int = 64):
+        self.core = core
+        self.cfg = cfg
+        self.staging_dir = ensure_private_dir(state_dir / "staging")
+        self.orphans_dir = state_dir / "orphans"
+        self.journal = Journal(state_dir / "journal.sqlite3")
+        self.workers = workers
+        self.staged: dict[int, Staged] = {}  # by inode number
+        self._queue: collections.OrderedDict[int, Staged] = collections.OrderedDict()
+        self._queue_event = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self._part_slots = trio.CapacityLimiter(max(4, cfg.store_concurrency // 4))
+        self._retired: set[str] = set()
+        self.stats: collections.Counter[str] = collections.Counter()
+        self._shutting_down = False
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as n:
+            self._nursery = n
+            await n.start(self.journal.run)
+            await self._replay()
+            for i in range(self.workers):
+                n.start_soon(self._worker, name=f"commit-worker-{i}")
+            task_status.started()
+            await trio.sleep_forever()
+
+    async def _replay(self) -> None:
+        """Take up what a previous daemon left: every journal row is committed again."""
+        records = self.journal.records()
+        named = {r.staging for r in records}
+        self._collect_orphans(named)
+        for r in records:
+            vol = self._volume(r.volume)
+            staging = self.staging_dir / r.staging
+            if vol is None or not staging.exists():
+                log.error("journal entry for %s:%s cannot be replayed (%s); dropping it", r.volume, r.path,
+                          "volume no longer registered" if vol is None else "staging file missing")
+                self.journal.remove_nowait(r.id)
+                continue
+            if r.upload_id:
+                await self._abort_quietly(vol, vol.prefix + r.path, r.upload_id)
+            node = self.core.materialize(vol, r.path)
+            if node.staged is not None:  # two rows for one path: the later one wins
+                self.journal.remove_nowait(r.id)
+                continue
+            fd = os.open(staging, os.O_RDWR)
+            st = os.fstat(fd)
+            s = Staged(node, vol, staging, fd, st.st_size, st.st_mtime_ns, rid=r.id, generation=1,
+                       flushed_generation=1, attempts=r.attempts, appends_only=False)
+            node.staged = s
+            self.staged[node.ino] = s
+            self._enqueue(s)
+            self.stats["replayed"] += 1
+        if records:
+            log.info("replaying %d pending commit(s) from the journal", len(records))
+
+    def _collect_orphans(self, named: set[str]) -> None:
+        """Staging files no journal row names (written but never closed before a crash): keep them
+        aside for the user rather than publish a half-written file or silently delete it."""
+        for p in self.staging_dir.iterdir():
+            if p.name in named:
+                continue
+            self.orphans_dir.mkdir(mode=0o700, exist_ok=True)
+            dest = self.orphans_dir / p.name
+            shutil.move(str(p), dest)
+            log.warning("staging file %s was never closed before the daemon stopped; kept as %s", p.name, dest)
+
+    async def shutdown(self, *, drain: bool) -> None:
+        """Stop: with drain, first wait (with progress in the log) until nothing commits any more."""
+        self._shutting_down = True
+        if drain:
+            last = 0.0
+            while any(s.dirty and s.error is None and not s.dropped for s in self.staged.values()):
+                if time.monotonic() - last > 2:
+                    pending = [s for s in self.staged.values() if s.dirty and s.error is None]
+                    log.info("draining: %d file(s), %.1f MiB waiting to be committed", len(pending),
+                             sum(s.size for s in pending) / MiB)
+                    last = time.monotonic()
+                await trio.sleep(0.05)
+        await self.journal.close()
+        with trio.move_on_after(10):
+            while self.journal._queue:
+                await trio.sleep(0.01)
+        for s in self.staged.values():
+            try:
+                os.close(s.fd)
+            except OSError:
+                pass
+
+    def _volume(self, full_name: str) -> Volume | None:
+        parts = tuple(full_name.split("."))
+        return self.core.catalog.volumes.get(parts) if len(parts) == 3 else None
+
+    # -- opening --------------------------------------------------------------------------------
+    def _new_staging(self) -> tuple[Path, int]:
+        path = self.staging_dir / f"{uuid.uuid4().hex}.data"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        return path, fd
+
+    def _check_space(self) -> None:
+        """New data needs room on the staging disk; make it by evicting cache, or refuse (ENOSPC)."""
+        st = os.statvfs(self.staging_dir)
+        free = st.f_bavail * st.f_frsize
+        floor = self.cfg.cache_free_floor_bytes // 4
+        if free < floor and self.core.cache is not None:
+            self.core.cache.shrink_for(floor - free)
+            st = os.statvfs(self.staging_dir)
+            free = st.f_bavail * st.f_frsize
+        if free < floor:
+            raise errors.fs_error(errors.ENOSPC, "no space left for staging writes")
+
+    async def stage(self, node: Inode, *, truncate: bool) -> Staged:
+        """The inode's staging file, made if needed (a copy of the object unless truncating)."""
+        if node.staged is not None:
+            s = node.staged
+            if truncate and s.size:
+                await self.truncate(s, 0)
+            return s
+        self._check_space()
+        path, fd = await run_disk(self._new_staging)
+        s = Staged(node, node.volume, path, fd, 0, time.time_ns())
+        try:
+            if not truncate and node.etag and node.size:
+                await self._copy_in(node, s)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        if truncate or not node.etag:
+            s.generation = 1  # new content: must be committed even if nothing is written
+        node.staged = s
+        self.staged[node.ino] = s
+        return s
+
+    async def _copy_in(self, node: Inode, s: Staged) -> None:
+        """Fill a staging file with the object's current bytes (for append and in-place edits)."""
+        from .prefetch import ObjectReader
+
+        vol = node.volume
+        store = self.core.store_for(vol)
+        version = ObjectVersion(store.name, vol.bucket, node.key, node.etag)
+        reader = ObjectReader(store=store, bucket=vol.bucket, key=node.key, version=version, size=node.size,
+                              cache=self.core.cache, budget=self.core.budget, cfg=self.cfg,
+                              nursery=self._nursery, stats=self.core.stats)
+        try:
+            off = 0
+            while off < node.size:
+                chunk = await reader.read(off, self.cfg.part_bytes)
+                await run_disk(os.pwrite, s.fd, chunk, off)
+                off += len(chunk)
+        finally:
+            reader.close()
+        s.size = node.size
+        s.mtime_ns = node.mtime_ns
+        s.committed_generation = s.generation = 0  # same content as the store: nothing to commit yet
+        s.appends_only = True
+
+    # -- data -----------------------------------------------------------------------------------
+    async def write(self, s: Staged, off: int, data: bytes) -> int:
+        if s.error is not None and s.error.errno != errors.ENOSPC:
+            pass  # a failed commit does not stop further writes; the next commit may succeed
+        end = off + len(data)
+        if end > MAX_OBJECT_BYTES:
+            raise errors.fs_error(errors.EFBIG, "larger than the store's largest object (5 TiB)")
+        if s.unsynced > BACKGROUND_SYNC_BYTES // 2:
+            self._check_space()
+        async with s.lock:
+            appending = off == s.size
+            try:
+                n = await run_disk(os.pwrite, s.fd, data, off)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise errors.fs_error(errors.ENOSPC, "staging disk is full") from None
+                raise
+            s.size = max(s.size, end)
+            s.mtime_ns = time.time_ns()
+            s.generation += 1
+            if not appending:
+                s.appends_only = False
+                self._invalidate_stream(s, "write inside already written data")
+        s.unsynced += n
+        if s.unsynced >= BACKGROUND_SYNC_BYTES:
+            s.unsynced = 0
+            self._nursery.start_soon(self._background_sync, s)
+        self._maybe_stream(s)
+        return n
+
+    async def _background_sync(self, s: Staged) -> None:
+        try:
+            await run_disk(os.fdatasync, s.fd)
+        except OSError:
+            pass  # the fdatasync at close reports problems
+
+    async def truncate(self, s: Staged, size: int) -> None:
+        async with s.lock:
+            await run_disk(os.ftruncate, s.fd, size)
+            if size < s.size:
+                s.appends_only = False
+                self._invalidate_stream(s, "truncated")
+            s.size = size
+            s.mtime_ns = time.time_ns()
+            s.generation += 1
+
+    async def read_staged(self, node: Inode, off: int, size: int) -> bytes:
+        s = node.staged
+        if off >= s.size:
+            return b""
+        return await run_disk(os.pread, s.fd, min(size, s.size - off), off)
+
+    # -- close / fsync ----------------------------------------------------------------------------
+    async def flush(self, s: Staged) -> None:
+        """close(): make the data durable locally, record it, queue the commit. Reports a permanent
+        failure of an earlier commit of this file."""
+        if s.dropped:
+            return
+        if s.generation > s.flushed_generation and s.dirty:
+            gen = s.generation
+            await run_disk(os.fdatasync, s.fd)
+            s.unsynced = 0
+            path = s.node.rel_path()
+            if s.rid is None:
+                s.rid = await self.journal.add(s.volume.full_name, path, s.path.name, s.size)
+            else:
+                await self.journal.mark_ready(s.rid, s.size, path)
+            s.flushed_generation = max(s.flushed_generation, gen)
+            if s.error is not None and s.error.errno != errors.ENOSPC:
+                s.error = None  # new data: try again
+            self._enqueue(s)
+        if s.error is not None:
+            raise s.error
+
+    async def fsync(self, s: Staged) -> None:
+        """Return once the file's current content is in the store (or its commit failed)."""
+        await self.flush(s)
+        target = s.generation
+        while not s.dropped and s.committed_generation < target:
+            if s.error is not None:
+                raise s.error
+            if not s.queued and not s.commit_lock.locked():
+                self._enqueue(s)
+            await s.progress.wait()
+        if s.error is not None and s.committed_generation < target:
+            raise s.error
+
+    async def fsync_tree(self, node: Inode) -> None:
+        """fsync on a directory: wait for everything pending beneath it."""
+        prefix = node.dir_prefix
+        vol = node.volume
+        for s in list(self.staged.values()):
+            if s.volume is vol and not s.dropped and s.node.key.startswith(prefix) and s.dirty:
+                await self.fsync(s)
+
+    async def release(self, h: "FileHandle") -> None:
+        s = h.staged
+        if s is None:
+            return
+        s.handles -= 1
+        if h.writable:
+            s.writers -= 1
+        self._maybe_retire(s)
+
+    # -- the queue ------------------------------------------------------------------------------
+    def _enqueue(self, s: Staged) -> None:
+        if s.dropped or s.queued:
+            return
+        s.queued = True
+        self._queue[id(s)] = s
+        self._queue_event.set()
+
+    async def _next(self) -> Staged:
+        while not self._queue:
+            self._queue_event = trio.Event()
+            await self._queue_event.wait()
+        _, s = self._queue.popitem(last=False)
+        s.queued = False
+        return s
+
+    async def _worker(self) -> None:
+        while True:
+            s = await self._next()
+            async with s.commit_lock:
+                if s.dropped or not s.dirty or s.flushed_generation < 0 or s.node.staged is not s:
+                    continue
+                try:
+                    await self._commit(s)
+                except _Changed:
+                    self.stats["restarted"] += 1
+                    self._enqueue(s)
+                except errors.StoreError as e:
+                    self._failed(s, e)
+                except OSError as e:
+                    self._failed(s, errors.StoreError(e.errno or errors.EIO, str(e)))
+                except Exception as e:  # noqa: BLE001 - a bug must not kill the worker pool
+                    log.exception("commit of %s failed unexpectedly", s.node.mount_path())
+                    self._failed(s, errors.StoreError(errors.EIO, f"unexpected: {e!r}", transient=True))
+            self._maybe_retire(s)
+
+    def _failed(self, s: Staged, e: errors.StoreError) -> None:
+        s.attempts += 1
+        path = s.node.mount_path()
+        if e.transient:
+            delay = min(RETRY_CAP_S, RETRY_FIRST_S * 2 ** min(s.attempts - 1, 10))
+            delay *= 0.5 + random.random()
+            level = logging.WARNING if s.attempts < 5 else logging.ERROR
+            log.log(level, "commit of %s failed (attempt %d): %s; retrying in %.1f s", path, s.attempts, e, delay)
+            self.stats["retries"] += 1
+            if s.rid is not None:
+                self.journal.note_attempt_nowait(s.rid, s.attempts, str(e), failed=False)
+            self._nursery.start_soon(self._retry_later, s, delay)
+            return
+        log.error("commit of %s failed permanently: %s; the data stays staged in %s", path, e, s.path)
+        self.stats["failed"] += 1
+        s.error = errors.StoreError(e.errno, f"commit failed: {e}", code=e.code, status=e.status, key=e.key)
+        if s.rid is not None:
+            self.journal.note_attempt_nowait(s.rid, s.attempts, str(e), failed=True)
+        s.notify()
+
+    async def _retry_later(self, s: Staged, delay: float) -> None:
+        await trio.sleep(delay)
+        self._enqueue(s)
+
+    # -- committing -------------------------------------------------------------------------------
+    async def _commit(self, s: Staged) -> None:
+        vol = s.volume
+        store = self.core.store_for(vol)
+        key = s.node.key
+        gen = s.generation
+        t0 = time.monotonic()
+        if s.stream is not None and s.stream.valid and s.stream.key == key and s.writers == 0:
+            info = await self._finish_stream(s, store)
+        else:
+            self._invalidate_stream(s, "committing whole")
+            if s.size <= SINGLE_PUT_MAX_BYTES:
+                async with s.lock:
+                    gen = s.generation
+                    size = s.size
+                    data = await run_disk(os.pread, s.fd, size, 0)
+                if len(data) != size:
+                    raise errors.StoreError(errors.EIO, "staging file shorter than recorded", transient=True)
+                info = await store.put(vol.bucket, key, data, size)
+            else:
+                info = await self._multipart(s, store, key)
+        # Published. Record it before anything else can look.
+        node = s.node
+        if node.key != key or s.dropped:
+            # A parent directory was renamed (or the file unlinked) while we uploaded: the object we
+            # just made sits under the old name. Take it away again; the file commits anew if live.
+            await store.delete(vol.bucket, key)
+            raise _Changed()
+        node.etag = info.etag
+        node.size = s.size if info.size < 0 else info.size
+        node.mtime_ns = time.time_ns()
+        node.attr_expires = time.monotonic() + self.cfg.metadata_ttl_s
+        node.page_cache_etag = info.etag  # the kernel's pages are this content
+        s.committed_generation = max(s.committed_generation, gen)
+        s.attempts = 0
+        s.error = None
+        self.stats["committed"] += 1
+        self.stats["committed_bytes"] += s.size
+        log.debug("committed %s (%d bytes) in %.2f s", node.mount_path(), s.size, time.monotonic() - t0)
+        if s.committed_generation >= s.flushed_generation and s.rid is not None and not s.dirty:
+            self.journal.remove_nowait(s.rid)
+            s.rid = None
+        parent = node.parent
+        if parent is not None and parent.listing is not None:
+            from .inodes import Entry
+
+            parent.listing.entries[node.name] = Entry(False, node.size, node.etag, node.mtime_ns)
+        if s.size <= CACHE_AFTER_COMMIT_MAX_BYTES and self.core.cache is not None and not s.dirty:
+            await self._cache_committed(s, ObjectVersion(store.name, vol.bucket, key, info.etag))
+        s.notify()
+
+    async def _cache_committed(self, s: Staged, version: ObjectVersion) -> None:
+        B = self.cfg.block_bytes
+        for i in range((s.size + B - 1) // B):
+            async with s.lock:
+                if s.dirty:
+                    return
+                data = await run_disk(os.pread, s.fd, B, i * B)
+            await run_disk(self.core.cache.put_block, version, i, data)
+
+    async def _multipart(self, s: Staged, store: AsyncStore, key: str) -> object:
+        vol = s.volume
+        gen = s.generation
+        size = s.size
+        upload_id = await store.create_multipart(vol.bucket, key)
+        if s.rid is not None:
+            self.journal.note_upload_nowait(s.rid, upload_id)
+        parts: dict[int, str] = {}
+        ranges = []
+        off, n = 0, 1
+        while off < size:
+            ps = part_bytes_for(n, self.cfg.part_bytes)
+            ranges.append((n, off, min(ps, size - off)))
+            off += ps
+            n += 1
+        if len(ranges) > MAX_PARTS:
+            raise errors.StoreError(errors.EFBIG, "too many parts", key=key)
+        try:
+            sem = trio.Semaphore(PARTS_IN_FLIGHT_PER_FILE)
+
+            async def one(n: int, off: int, length: int) -> None:
+                async with sem, self._part_slots:
+                    async with s.lock:
+                        if s.generation != gen:
+                            raise _Changed()
+                        data = await run_disk(os.pread, s.fd, length, off)
+                    self.core.budget.force_reserve(length)
+                    try:
+                        parts[n] = await store.upload_part(vol.bucket, key, upload_id, n, data, length)
+                    finally:
+                        self.core.budget.release(length)
+
+            async with trio.open_nursery() as nursery:
+                for n, off, length in ranges:
+                    nursery.start_soon(one, n, off, length)
+            async with s.lock:
+                if s.generation != gen:
+                    raise _Changed()
+            info = await store.complete_multipart(vol.bucket, key, upload_id, sorted(parts.items()))
+            self.stats["multipart"] += 1
+            return info
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await self._abort_quietly(vol, key, upload_id)
+            raise
+
+    async def _abort_quietly(self, vol: Volume, key: str, upload_id: str) -> None:
+        try:
+            await self.core.store_for(vol).abort_multipart(vol.bucket, key, upload_id)
+        except errors.StoreError as e:
+            log.info("could not abort multipart upload %s of %r: %s", upload_id, key, e)
+
+    # -- streaming uploads ----------------------------------------------------------------------
+    def _maybe_stream(self, s: Staged) -> None:
+        if self._shutting_down or not s.appends_only or s.writers != 1 or s.dropped:
+            return
+        st = s.stream
+        if st is None:
+            if s.size < STREAM_START_BYTES:
+                return
+            st = s.stream = Stream(s.node.key)
+            st.idle.set()
+            self._nursery.start_soon(self._create_stream, s, st)
+        if not st.valid:
+            return
+        while True:
+            ps = part_bytes_for(st.next_part, self.cfg.part_bytes)
+            if s.size - st.next_off < ps:
+                return
+            n, off = st.next_part, st.next_off
+            st.next_part += 1
+            st.next_off += ps
+            st.inflight += 1
+            st.idle = trio.Event() if st.idle.is_set() else st.idle
+            self._nursery.start_soon(self._stream_part, s, st, n, off, ps)
+
+    async def _create_stream(self, s: Staged, st: Stream) -> None:
+        vol = s.volume
+        try:
+            st.upload_id = await self.core.store_for(vol).create_multipart(vol.bucket, st.key)
+        except errors.StoreError as e:
+            st.error = e
+            st.valid = False
+        finally:
+            st.created.set()
+        if not st.valid and st.upload_id:
+            await self._abort_quietly(vol, st.key, st.upload_id)
+
+    async def _stream_part(self, s: Staged, st: Stream, n: int, off: int, length: int) -> None:
+        vol = s.volume
+        try:
+            await st.created.wait()
+            if not st.valid or st.upload_id is None:
+                return
+            async with self._part_slots:
+                self.core.budget.force_reserve(length)
+                try:
+                    data = await run_disk(os.pread, s.fd, length, off)
+                    delay = RETRY_FIRST_S
+                    for attempt in range(5):
+                        if not st.valid:
+                            return
+                        try:
+                            st.parts[n] = await self.core.store_for(vol).upload_part(
+                                vol.bucket, st.key, st.upload_id, n, data, length)
+                            self.stats["stream_parts"] += 1
+                            return
+                        except errors.StoreError as e:
+                            if not e.transient or attempt == 4:
+                                raise
+                            await trio.sleep(delay * (0.5 + random.random()))
+                            delay = min(delay * 2, RETRY_CAP_S)
+                finally:
+                    self.core.budget.release(length)
+        except errors.StoreError as e:
+            st.error = e
+            self._invalidate_stream(s, f"part upload failed: {e}")
+        finally:
+            st.inflight -= 1
+            if st.inflight == 0:
+                st.idle.set()
+
+    def _invalidate_stream(self, s: Staged, why: str) -> None:
+        st = s.stream
+        if st is None:
+            return
+        s.stream = None
+        if not st.valid:
+            return
+        st.valid = False
+        log.debug("stream upload of %s abandoned: %s", s.node.mount_path(), why)
+        self.stats["streams_abandoned"] += 1
+        if self._nursery is not None:
+            self._nursery.start_soon(self._abort_stream, s.volume, st)
+
+    async def _abort_stream(self, vol: Volume, st: Stream) -> None:
+        await st.created.wait()
+        await st.idle.wait()
+        if st.upload_id:
+            await self._abort_quietly(vol, st.key, st.upload_id)
+
+    async def _finish_stream(self, s: Staged, store: AsyncStore):
+        st = s.stream
+        await st.created.wait()
+        await st.idle.wait()
+        if not st.valid or st.error is not None or st.upload_id is None:
+            self._invalidate_stream(s, "stream failed")
+            raise _Changed()
+        vol = s.volume
+        if s.rid is not None:
+            self.journal.note_upload_nowait(s.rid, st.upload_id)
+        async with s.lock:
+            gen = s.generation
+            tail = s.size - st.next_off
+            data = await run_disk(os.pread, s.fd, tail, st.next_off) if tail > 0 else b""
+        if tail > 0:
+            st.parts[st.next_part] = await store.upload_part(vol.bucket, st.key, st.upload_id, st.next_part,
+                                                             data, tail)
+        if not s.appends_only or s.generation != gen or s.stream is not st:
+            raise _Changed()
+        s.stream = None
+        info = await store.complete_multipart(vol.bucket, st.key, st.upload_id, sorted(st.parts.items()))
+        self.stats["streamed"] += 1
+        return info
+
+    # -- namespace changes of staged files --------------------------------------------------------
+    async def drop(self, s: Staged) -> None:
+        """The file was unlinked or replaced: never commit it; its data goes with its last handle."""
+        async with s.commit_lock:
+            s.dropped = True
+            self._queue.pop(id(s), None)
+            s.queued = False
+            self._invalidate_stream(s, "dropped")
+            if s.rid is not None:
+                self.journal.remove_nowait(s.rid)
+                s.rid = None
+            s.notify()
+        self._maybe_retire(s)
+
+    async def renamed(self, s: Staged) -> None:
+        """The file now has another key: its content must be committed there."""
+        async with s.commit_lock:
+            self._invalidate_stream(s, "renamed")
+            s.committed_generation = -1  # whatever was committed went under the old name
+            path = s.node.rel_path()
+            if s.flushed_generation >= 0:
+                if s.rid is None:
+                    s.rid = await self.journal.add(s.volume.full_name, path, s.path.name, s.size)
+                else:
+                    await self.journal.rename(s.rid, path)
+                self._enqueue(s)
+            elif s.rid is not None:
+                await self.journal.rename(s.rid, path)
+
+    def _maybe_retire(self, s: Staged) -> None:
+        """Remove the staging file once it is committed (or dropped) and no handle has it open."""
+        if s.handles > 0 or s.commit_lock.locked() or (s.dirty and not s.dropped):
+            return
+        node = s.node
+        if node.staged is s:
+            node.staged = None
+        if self.staged.get(node.ino) is s:
+            del self.staged[node.ino]
+        self._invalidate_stream(s, "retired")
+        try:
+            os.close(s.fd)
+        except OSError:
+            pass
+        try:
+            os.unlink(s.path)
+        except FileNotFoundError:
+            pass
+        if s.rid is not None:
+            self.journal.remove_nowait(s.rid)
+            s.rid = None
+        self.core.inodes.forget(node.ino, 0)  # may drop the inode now that nothing holds it
+
+    # -- status ---------------------------------------------------------------------------------
+    def statistics(self) -> dict:
+        items = []
+        now = time.time()
+        pending = [s for s in self.staged.values() if (s.dirty and not s.dropped) or s.error is not None]
+        for s in sorted(pending, key=lambda s: s.created_at)[:50]:
+            items.append({"path": s.node.mount_path(), "size": s.size, "age_s": round(now - s.created_at, 1),
+                          "attempts": s.attempts,
+                          "state": "failed" if s.error is not None else (
+                              "open" if s.writers else ("uploading" if s.commit_lock.locked() else "queued")),
+                          "error": str(s.error) if s.error is not None else ""})
+        out = dict(self.stats)
+        out.update(pending=len(pending), failed=sum(1 for s in pending if s.error is not None),
+                   pending_bytes=sum(s.size for s in pending), staged_files=len(self.staged), items=items)
+        return out

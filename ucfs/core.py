@@ -1,0 +1,877 @@
+"""File system semantics over the catalog and the stores, without FUSE.
+
+`Core` answers lookups, attribute requests, directory listings, opens and reads with plain
+dataclasses and `OSError`s; `fs.py` only translates between it and pyfuse3. Tests drive it directly.
+
+Metadata freshness (README "Semantics"): what the store said about a name is trusted for
+`metadata_ttl_s`. A directory's listing answers lookups of its children (and their absence) while it
+is fresh; when it has expired, a lookup either refreshes the whole listing (small or busy directories:
+one LIST instead of a request per name) or probes the single name (HEAD of the key and a one-key LIST
+of "key/" in parallel, since a name may be a file, a directory, or both). An open whose attributes
+have expired checks the object again, and tells the kernel to drop cached pages of an older version.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+import stat as stat_mod
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import trio
+
+from . import errors
+from .aiostore import AsyncStore
+from .cache import BlockCache, ObjectVersion
+from .catalog import Catalog, Volume
+from .config import MountConfig
+from .inodes import Entry, Inode, InodeTable, Kind, Listing
+from .prefetch import MemoryBudget, ObjectReader
+
+log = logging.getLogger(__name__)
+
+NAME_MAX_BYTES = 255
+RENAME_NOREPLACE = 1  # linux/fs.h
+RENAME_EXCHANGE = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Attributes:
+    ino: int
+    is_dir: bool
+    size: int
+    mtime_ns: int
+    mode: int
+    uid: int
+    gid: int
+    blksize: int
+    entry_timeout_s: float
+    attr_timeout_s: float
+    nlink: int = 1  # directories too: find(1) must not assume it knows their subdirectory count
+
+
+@dataclass
+class Caller:
+    uid: int
+    gid: int
+    pid: int = 0
+    groups_fn: Callable[[], set[int]] | None = None
+    _groups: frozenset[int] | None = None
+
+    @property
+    def groups(self) -> frozenset[int]:
+        if self._groups is None:
+            extra: set[int] = set()
+            if self.groups_fn is not None:
+                try:
+                    extra = set(self.groups_fn())
+                except Exception:  # the process may be gone already
+                    extra = set()
+            self._groups = frozenset(extra | {self.gid})
+        return self._groups
+
+
+@dataclass(eq=False)
+class DirHandle:
+    inode: Inode
+    entries: list[tuple[str, Entry | Kind]]  # snapshot taken at opendir
+
+
+@dataclass(eq=False)
+class FileHandle:
+    inode: Inode
+    version: ObjectVersion | None  # None while the content is local (staged)
+    size: int
+    reader: ObjectReader | None = None
+    writable: bool = False
+    staged: Any = None  # the commit.Staged this handle keeps alive, if any
+
+
+class Core:
+    def __init__(self, catalog: Catalog, stores: dict[str, AsyncStore], cache: BlockCache | None,
+                 cfg: MountConfig, *, uid: int | None = None, gid: int | None = None):
+        self.catalog = catalog
+        self.stores = stores
+        self.cache = cache
+        self.cfg = cfg
+        self.uid = os.getuid() if uid is None else uid
+        self.gid = os.getgid() if gid is None else gid
+        self.inodes = InodeTable()
+        self.budget = MemoryBudget(cfg.readahead_budget_bytes)
+        self.stats: collections.Counter[str] = collections.Counter()
+        self.started_ns = time.time_ns()
+        self._handles: dict[int, FileHandle | DirHandle] = {}
+        self._next_fh = itertools.count(1)
+        self._nursery: trio.Nursery | None = None
+        self.committer = None  # set by mount when writes are enabled (commit.Committer)
+
+    def attach(self, nursery: trio.Nursery) -> None:
+        """Background work (read-ahead, refreshes) runs in the mount's nursery."""
+        self._nursery = nursery
+
+    def store_for(self, volume: Volume) -> AsyncStore:
+        return self.stores[volume.store.name]
+
+    # -- attributes -----------------------------------------------------------------------------
+    def _ttl(self, node: Inode) -> float:
+        if node.kind.synthetic and self.cfg.allow_other:
+            return 0.0  # visibility depends on the caller; the kernel must ask every time
+        return self.cfg.metadata_ttl_s
+
+    def attributes(self, node: Inode) -> Attributes:
+        ttl = self._ttl(node)
+        writable = node.volume is not None and not node.volume.read_only
+        if node.kind is Kind.FILE:
+            st = node.staged
+            size = st.size if st is not None else node.size
+            mtime = st.mtime_ns if st is not None else node.mtime_ns
+            mode = stat_mod.S_IFREG | (0o644 if writable else 0o444)
+            return Attributes(node.ino, False, size, mtime, mode, self.uid, self.gid,
+                              self.cfg.block_bytes, ttl, ttl)
+        if node.kind.synthetic:
+            mode, mtime = stat_mod.S_IFDIR | 0o555, self.started_ns
+        else:
+            mode, mtime = stat_mod.S_IFDIR | (0o755 if writable else 0o555), node.mtime_ns or self.started_ns
+        return Attributes(node.ino, True, 0, mtime, mode, self.uid, self.gid, self.cfg.block_bytes, ttl, ttl)
+
+    def node(self, ino: int) -> Inode:
+        node = self.inodes.get(ino)
+        if node is None:
+            raise errors.fs_error(errors.ENOENT, f"unknown inode {ino}")
+        return node
+
+    def _visible(self, volume: Volume, caller: Caller | None) -> bool:
+        return caller is None or caller.uid == 0 or volume.can_read(caller.uid, caller.groups)
+
+    def check_write(self, node: Inode, caller: Caller | None) -> Volume:
+        """The volume node lives in, if the caller may change things there."""
+        if node.kind.synthetic:
+            raise errors.fs_error(errors.EROFS, "the /Volumes levels above a volume are read-only")
+        vol = node.volume
+        assert vol is not None
+        if vol.read_only:
+            raise errors.fs_error(errors.EROFS, f"volume {vol.full_name} is read-only")
+        if caller is not None and caller.uid != 0 and not vol.can_write(caller.uid, caller.groups):
+            raise errors.fs_error(errors.EACCES, f"no write grant on volume {vol.full_name}")
+        return vol
+
+    # -- lookup ---------------------------------------------------------------------------------
+    async def lookup(self, parent_ino: int, name: str, caller: Caller | None = None) -> Attributes | None:
+        """Attributes of parent/name with one lookup reference counted, or None if it does not exist."""
+        parent = self.node(parent_ino)
+        node = await self._lookup(parent, name, caller)
+        if node is None:
+            return None
+        node.lookups += 1
+        return self.attributes(node)
+
+    async def _lookup(self, parent: Inode, name: str, caller: Caller | None) -> Inode | None:
+        if len(name.encode("utf-8", "surrogateescape")) > NAME_MAX_BYTES:
+            raise errors.fs_error(errors.ENAMETOOLONG, "name longer than 255 bytes")
+        if not parent.kind.is_dir:
+            raise errors.fs_error(errors.ENOTDIR)
+        if name in (".", ".."):
+            raise errors.fs_error(errors.EINVAL, "'.' and '..' are resolved by the kernel")
+        self.stats["lookups"] += 1
+        if parent.kind is Kind.ROOT:
+            if not any(self._visible(v, caller) for (c, _, _), v in self.catalog.volumes.items() if c == name):
+                return None
+            return self.inodes.add_child(parent, name, Kind.CATALOG, None)
+        if parent.kind is Kind.CATALOG:
+            if not any(self._visible(v, caller) for (c, s, _), v in self.catalog.volumes.items()
+                       if c == parent.name and s == name):
+                return None
+            return self.inodes.add_child(parent, name, Kind.SCHEMA, None)
+        if parent.kind is Kind.SCHEMA:
+            assert parent.parent is not None
+            vol = self.catalog.volume(parent.parent.name, parent.name, name)
+            if vol is None or not self._visible(vol, caller):
+                return None
+            return self.inodes.add_child(parent, name, Kind.VOLUME, vol)
+        return await self._lookup_child(parent, name)
+
+    async def _lookup_child(self, parent: Inode, name: str) -> Inode | None:
+        vol = parent.volume
+        assert vol is not None
+        key = parent.dir_prefix + name
+        if len(key.encode()) > 1024:
+            raise errors.fs_error(errors.ENAMETOOLONG, "object key would be longer than 1024 bytes")
+        existing = parent.children_by_name.get(name)
+        if existing is not None and existing.staged is not None:
+            return existing  # local data not yet committed wins over what the store says
+        if existing is not None and existing.attrs_fresh():
+            return existing
+        listing = parent.listing
+        if listing is not None and not listing.fresh(self.cfg.metadata_ttl_s) and self._should_relist(parent):
+            await self.refresh_listing(parent)
+            listing = parent.listing
+        if listing is not None and listing.fresh(self.cfg.metadata_ttl_s):
+            entry = listing.entries.get(name)
+            if entry is None:
+                return self._pending_local(parent, name)
+            return self._apply_entry(parent, name, entry)
+        entry = await self._probe(vol, key)
+        if entry is None:
+            return self._pending_local(parent, name)
+        return self._apply_entry(parent, name, entry)
+
+    def _pending_local(self, parent: Inode, name: str) -> Inode | None:
+        """A name the store does not know may still exist here (created, not yet committed)."""
+        node = parent.children_by_name.get(name)
+        if node is not None and node.staged is not None:
+            return node
+        if node is not None:
+            self.inodes.detach(node)
+        return None
+
+    def _should_relist(self, parent: Inode) -> bool:
+        """Refresh a whole expired listing rather than probe one name?
+
+        Yes for directories that fit one LIST page, and for larger ones that are being looked up in
+        bursts (a parallel copy): one LIST of 1,000 names beats 1,000 probes.
+        """
+        listing = parent.listing
+        assert listing is not None
+        n = len(listing.entries)
+        if n > self.cfg.relist_max_entries:
+            return False
+        now = time.monotonic()
+        if now - parent.hot_since > self.cfg.metadata_ttl_s:
+            parent.hot_since, parent.hot_lookups = now, 0
+        parent.hot_lookups += 1
+        return parent.hot_lookups >= n // 1000 + 1
+
+    async def _probe(self, vol: Volume, key: str) -> Entry | None:
+        """What `key` is in the store: a directory (anything under key/), a file, or nothing."""
+        store = self.store_for(vol)
+        self.stats["probes"] += 1
+        result: dict[str, object] = {}
+
+        async def head() -> None:
+            try:
+                result["head"] = await store.head(vol.bucket, key)
+            except errors.StoreError as e:
+                if e.errno != errors.ENOENT:
+                    raise
+
+        async def list_dir() -> None:
+            page = await store.list_page(vol.bucket, key + "/", max_keys=1)
+            result["dir"] = bool(page.objects or page.prefixes)
+
+        async with trio.open_nursery() as n:
+            n.start_soon(head)
+            n.start_soon(list_dir)
+        if result.get("dir"):
+            return Entry(True)
+        info = result.get("head")
+        if info is not None:
+            return Entry(False, info.size, info.etag, info.mtime_ns)
+        return None
+
+    def _apply_entry(self, parent: Inode, name: str, entry: Entry) -> Inode:
+        kind = Kind.DIR if entry.is_dir else Kind.FILE
+        node = parent.children_by_name.get(name)
+        if node is not None and node.staged is not None:
+            return node
+        node = self.inodes.add_child(parent, name, kind, parent.volume)
+        if kind is Kind.FILE:
+            node.size, node.etag, node.mtime_ns = entry.size, entry.etag, entry.mtime_ns
+        elif entry.mtime_ns:
+            node.mtime_ns = entry.mtime_ns
+        node.attr_expires = time.monotonic() + self.cfg.metadata_ttl_s
+        return node
+
+    # -- listings -------------------------------------------------------------------------------
+    async def refresh_listing(self, parent: Inode) -> Listing:
+        """List a directory from the store; concurrent callers share one listing."""
+        if parent.listing_refresh is not None:
+            await parent.listing_refresh.wait()
+            if parent.listing is not None:
+                return parent.listing
+        done = trio.Event()
+        parent.listing_refresh = done
+        try:
+            entries, marker = await self._list_all(parent)
+            parent.listing = Listing(entries, time.monotonic(), marker)
+            self._reconcile(parent, entries)
+            return parent.listing
+        finally:
+            parent.listing_refresh = None
+            done.set()
+
+    async def _list_all(self, parent: Inode) -> tuple[dict[str, Entry], bool]:
+        vol = parent.volume
+        assert vol is not None
+        store = self.store_for(vol)
+        prefix = parent.dir_prefix
+        entries: dict[str, Entry] = {}
+        marker = False
+        token = None
+        self.stats["listings"] += 1
+        while True:
+            page = await store.list_page(vol.bucket, prefix, token=token)
+            for p in page.prefixes:
+                name = p[len(prefix):-1]
+                if _usable_name(name, p):
+                    entries[name] = Entry(True)
+            for o in page.objects:
+                name = o.key[len(prefix):]
+                if not name:
+                    marker = True  # the directory's own marker object
+                    continue
+                if name.endswith("/"):
+                    name = name[:-1]
+                    if _usable_name(name, o.key):
+                        entries.setdefault(name, Entry(True, mtime_ns=o.mtime_ns))
+                    continue
+                if not _usable_name(name, o.key):
+                    continue
+                if name in entries and entries[name].is_dir:
+                    log.info("%r is both an object and a directory; showing the directory", o.key)
+                    continue
+                entries[name] = Entry(False, o.size, o.etag, o.mtime_ns)
+            token = page.next_token
+            if token is None:
+                return entries, marker
+
+    def _reconcile(self, parent: Inode, entries: dict[str, Entry]) -> None:
+        """Bring known children in line with a fresh listing."""
+        expires = time.monotonic() + self.cfg.metadata_ttl_s
+        for name, node in list(parent.children_by_name.items()):
+            if node.staged is not None:
+                continue
+            entry = entries.get(name)
+            if entry is None or entry.is_dir != (node.kind is not Kind.FILE):
+                self.inodes.detach(node)  # gone, or changed kind: a fresh lookup makes a new inode
+                continue
+            if node.kind is Kind.FILE:
+                node.size, node.etag, node.mtime_ns = entry.size, entry.etag, entry.mtime_ns
+            node.attr_expires = expires
+
+    async def opendir(self, ino: int, caller: Caller | None = None) -> int:
+        node = self.node(ino)
+        if not node.kind.is_dir:
+            raise errors.fs_error(errors.ENOTDIR)
+        entries: list[tuple[str, Entry | Kind]]
+        if node.kind is Kind.ROOT:
+            names = sorted({c for (c, _, _), v in self.catalog.volumes.items() if self._visible(v, caller)})
+            entries = [(n, Kind.CATALOG) for n in names]
+        elif node.kind is Kind.CATALOG:
+            names = sorted({s for (c, s, _), v in self.catalog.volumes.items()
+                            if c == node.name and self._visible(v, caller)})
+            entries = [(n, Kind.SCHEMA) for n in names]
+        elif node.kind is Kind.SCHEMA:
+            assert node.parent is not None
+            names = sorted(v for (c, s, v), vol in self.catalog.volumes.items()
+                           if c == node.parent.name and s == node.name and self._visible(vol, caller))
+            entries = [(n, Kind.VOLUME) for n in names]
+        else:
+            listing = node.listing
+            if listing is None or not listing.fresh(self.cfg.metadata_ttl_s):
+                listing = await self.refresh_listing(node)
+            merged = dict(listing.entries)
+            for name, child in node.children_by_name.items():
+                if child.staged is not None:
+                    merged[name] = Entry(False, child.staged.size, "", child.staged.mtime_ns)
+            entries = sorted(merged.items())
+        fh = next(self._next_fh)
+        self._handles[fh] = DirHandle(node, entries)
+        node.opens += 1
+        return fh
+
+    def readdir(self, fh: int, start: int) -> Iterator[tuple[int, str, Attributes]]:
+        """Entries from index `start`: (index, name, attributes). Inodes are made as entries are asked
+        for; `fs` counts a lookup only for entries the kernel accepted (see `entry_accepted`)."""
+        h = self._handles.get(fh)
+        if not isinstance(h, DirHandle):
+            raise errors.fs_error(errors.EBADF)
+        parent = h.inode
+        for idx in range(start, len(h.entries)):
+            name, what = h.entries[idx]
+            if isinstance(what, Kind):
+                vol = None
+                if what is Kind.VOLUME:
+                    assert parent.parent is not None
+                    vol = self.catalog.volume(parent.parent.name, parent.name, name)
+                node = self.inodes.add_child(parent, name, what, vol)
+            else:
+                node = self._apply_entry(parent, name, what)
+            yield idx, name, self.attributes(node)
+
+    def entry_accepted(self, ino: int, accepted: bool) -> None:
+        node = self.inodes.get(ino)
+        if node is None:
+            return
+        if accepted:
+            node.lookups += 1
+        else:
+            self.inodes.forget(ino, 0)
+
+    def releasedir(self, fh: int) -> None:
+        h = self._handles.pop(fh, None)
+        if isinstance(h, DirHandle):
+            self.inodes.release(h.inode)
+
+    def forget(self, ino: int, n: int) -> None:
+        self.inodes.forget(ino, n)
+
+    # -- getattr --------------------------------------------------------------------------------
+    async def getattr(self, ino: int, caller: Caller | None = None) -> Attributes:
+        node = self.node(ino)
+        if node.kind is Kind.FILE and node.staged is None and not node.deleted and not node.attrs_fresh():
+            await self._revalidate(node)
+        return self.attributes(node)
+
+    async def _revalidate(self, node: Inode) -> None:
+        """Check a file against the store (its attributes expired)."""
+        parent = node.parent
+        assert parent is not None and node.volume is not None
+        if parent.listing is not None and parent.listing_refresh is not None:
+            await parent.listing_refresh.wait()
+            if node.attrs_fresh():
+                return
+        try:
+            info = await self.store_for(node.volume).head(node.volume.bucket, node.key)
+        except errors.StoreError as e:
+            if e.errno == errors.ENOENT:
+                # Deleted elsewhere. Existing handles keep what they have; new lookups see ENOENT.
+                self.inodes.detach(node)
+                node.deleted = True
+                raise errors.fs_error(errors.ENOENT, "deleted in the store") from None
+            raise
+        node.size, node.etag, node.mtime_ns = info.size, info.etag, info.mtime_ns
+        node.attr_expires = time.monotonic() + self.cfg.metadata_ttl_s
+
+    # -- open / read / release ------------------------------------------------------------------
+    async def open(self, ino: int, flags: int, caller: Caller | None = None) -> tuple[int, bool]:
+        """Open a file; returns (fh, keep_cache)."""
+        node = self.node(ino)
+        if node.kind.is_dir:
+            raise errors.fs_error(errors.EISDIR)
+        accmode = flags & os.O_ACCMODE
+        writable = accmode != os.O_RDONLY
+        if writable or flags & os.O_TRUNC:
+            self.check_write(node, caller)
+            if self.committer is None:
+                raise errors.fs_error(errors.EROFS, "this mount is read-only")
+            if node.staged is None and not node.attrs_fresh() and not node.deleted:
+                await self._revalidate(node)
+            staged = await self.committer.stage(node, truncate=bool(flags & os.O_TRUNC))
+            return self._staged_handle(node, staged, writable), False
+        if node.staged is not None:
+            return self._staged_handle(node, node.staged, False), False
+        if not node.attrs_fresh() and not node.deleted:
+            await self._revalidate(node)
+        return self.open_version(node)
+
+    def _staged_handle(self, node: Inode, staged, writable: bool) -> int:
+        staged.handles += 1
+        if writable:
+            staged.writers += 1
+        return self._new_handle(FileHandle(node, None, staged.size, writable=writable, staged=staged))
+
+    def _version(self, node: Inode) -> ObjectVersion:
+        vol = node.volume
+        assert vol is not None
+        return ObjectVersion(self.store_for(vol).name, vol.bucket, node.key, node.etag)
+
+    def open_version(self, node: Inode) -> tuple[int, bool]:
+        version = self._version(node)
+        # Pages cached by the kernel belong to one version; keep them only if it is still current.
+        keep_cache = node.page_cache_etag == node.etag
+        node.page_cache_etag = node.etag
+        if self.cache is not None:
+            self.cache.pin(version)
+        fh = self._new_handle(FileHandle(node, version, node.size))
+        return fh, keep_cache
+
+    def _new_handle(self, h: FileHandle) -> int:
+        fh = next(self._next_fh)
+        self._handles[fh] = h
+        h.inode.opens += 1
+        self.stats["opens"] += 1
+        return fh
+
+    def file_handle(self, fh: int) -> FileHandle:
+        h = self._handles.get(fh)
+        if not isinstance(h, FileHandle):
+            raise errors.fs_error(errors.EBADF)
+        return h
+
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
+        h = self.file_handle(fh)
+        node = h.inode
+        if node.staged is not None:
+            # Read-your-writes: local data not yet committed is the file's content.
+            return await self.committer.read_staged(node, off, size)
+        if h.version is None:
+            # Opened while the file was local only; it has been committed since.
+            h.version, h.size = self._version(node), node.size
+            if self.cache is not None:
+                self.cache.pin(h.version)
+        if h.reader is None:
+            vol = node.volume
+            assert vol is not None and self._nursery is not None
+            h.reader = ObjectReader(store=self.store_for(vol), bucket=vol.bucket, key=h.version.key,
+                                    version=h.version, size=h.size, cache=self.cache, budget=self.budget,
+                                    cfg=self.cfg, nursery=self._nursery, stats=self.stats)
+        self.stats["reads"] += 1
+        try:
+            return await h.reader.read(off, size)
+        except errors.StaleError:
+            node.attr_expires = 0.0  # the next open looks again
+            raise
+
+    async def release(self, fh: int) -> None:
+        h = self._handles.pop(fh, None)
+        if not isinstance(h, FileHandle):
+            return
+        try:
+            if h.staged is not None:
+                await self.committer.release(h)
+        finally:
+            if h.reader is not None:
+                h.reader.close()
+            if h.version is not None and self.cache is not None:
+                self.cache.unpin(h.version)
+            self.inodes.release(h.inode)
+
+    # -- writes ---------------------------------------------------------------------------------
+    def _writer(self, caller: Caller | None, node: Inode) -> Volume:
+        vol = self.check_write(node, caller)
+        if self.committer is None:
+            raise errors.fs_error(errors.EROFS, "this mount is read-only")
+        return vol
+
+    def _check_new_name(self, parent: Inode, name: str, *, is_dir: bool = False) -> str:
+        if len(name.encode("utf-8", "surrogateescape")) > NAME_MAX_BYTES:
+            raise errors.fs_error(errors.ENAMETOOLONG, "name longer than 255 bytes")
+        key = parent.dir_prefix + name + ("/" if is_dir else "")
+        if len(key.encode("utf-8", "surrogateescape")) > 1024:
+            raise errors.fs_error(errors.ENAMETOOLONG, "object key would be longer than 1024 bytes")
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError:
+            raise errors.fs_error(errors.EINVAL, "object keys must be valid UTF-8") from None
+        return key
+
+    async def create(self, parent_ino: int, name: str, flags: int,
+                     caller: Caller | None = None) -> tuple[int, Attributes]:
+        parent = self.node(parent_ino)
+        self._writer(caller, parent)
+        self._check_new_name(parent, name)
+        existing = await self._lookup(parent, name, caller)
+        if existing is not None:
+            if flags & os.O_EXCL:
+                raise errors.fs_error(errors.EEXIST)
+            if existing.kind.is_dir:
+                raise errors.fs_error(errors.EISDIR)
+            node = existing
+            staged = await self.committer.stage(node, truncate=bool(flags & os.O_TRUNC))
+        else:
+            node = self.inodes.add_child(parent, name, Kind.FILE, parent.volume)
+            node.size, node.etag, node.mtime_ns = 0, "", time.time_ns()
+            staged = await self.committer.stage(node, truncate=True)
+        node.deleted = False
+        node.lookups += 1
+        fh = self._staged_handle(node, staged, (flags & os.O_ACCMODE) != os.O_RDONLY)
+        self.stats["creates"] += 1
+        return fh, self.attributes(node)
+
+    async def write(self, fh: int, off: int, data: bytes) -> int:
+        h = self.file_handle(fh)
+        if not h.writable or h.staged is None:
+            raise errors.fs_error(errors.EBADF, "not open for writing")
+        self.stats["writes"] += 1
+        return await self.committer.write(h.staged, off, data)
+
+    async def flush(self, fh: int) -> None:
+        h = self.file_handle(fh)
+        if h.staged is not None:
+            await self.committer.flush(h.staged)
+
+    async def fsync(self, fh: int) -> None:
+        h = self.file_handle(fh)
+        if h.staged is not None:
+            await self.committer.fsync(h.staged)
+
+    async def fsyncdir(self, fh: int) -> None:
+        h = self._handles.get(fh)
+        if not isinstance(h, DirHandle):
+            raise errors.fs_error(errors.EBADF)
+        if self.committer is not None and h.inode.volume is not None:
+            await self.committer.fsync_tree(h.inode)
+        elif self.committer is not None and h.inode.kind.synthetic:
+            for s in list(self.committer.staged.values()):
+                if s.dirty and not s.dropped:
+                    await self.committer.fsync(s)
+
+    async def setattr(self, ino: int, *, size: int | None = None, mtime_ns: int | None = None,
+                      fh: int | None = None, caller: Caller | None = None) -> Attributes:
+        node = self.node(ino)
+        if size is not None:
+            if node.kind.is_dir:
+                raise errors.fs_error(errors.EISDIR)
+            self._writer(caller, node)
+            staged = node.staged or await self.committer.stage(node, truncate=size == 0)
+            if staged.size != size or size == 0:
+                await self.committer.truncate(staged, size)
+            if staged.writers == 0:
+                await self.committer.flush(staged)  # truncate(1) without an open file: commit it
+                self.committer._maybe_retire(staged)
+        if mtime_ns is not None and node.staged is not None:
+            node.staged.mtime_ns = mtime_ns
+        # Modes and owners are not kept by an object store; accepting them lets cp -a, rsync and tar work.
+        return self.attributes(node)
+
+    async def mkdir(self, parent_ino: int, name: str, caller: Caller | None = None) -> Attributes:
+        parent = self.node(parent_ino)
+        vol = self._writer(caller, parent)
+        key = self._check_new_name(parent, name, is_dir=True)
+        if await self._lookup(parent, name, caller) is not None:
+            raise errors.fs_error(errors.EEXIST)
+        await self.store_for(vol).put(vol.bucket, key, b"", 0)  # the marker that makes it exist
+        node = self.inodes.add_child(parent, name, Kind.DIR, vol)
+        node.mtime_ns = time.time_ns()
+        node.attr_expires = time.monotonic() + self.cfg.metadata_ttl_s
+        node.listing = Listing({}, time.monotonic())
+        node.lookups += 1
+        if parent.listing is not None:
+            parent.listing.entries[name] = Entry(True, mtime_ns=node.mtime_ns)
+        self.stats["mkdirs"] += 1
+        return self.attributes(node)
+
+    async def unlink(self, parent_ino: int, name: str, caller: Caller | None = None) -> None:
+        parent = self.node(parent_ino)
+        vol = self._writer(caller, parent)
+        node = await self._lookup(parent, name, caller)
+        if node is None:
+            raise errors.fs_error(errors.ENOENT)
+        if node.kind.is_dir:
+            raise errors.fs_error(errors.EISDIR)
+        if node.staged is not None:
+            await self.committer.drop(node.staged)
+        if node.etag:
+            await self.store_for(vol).delete(vol.bucket, node.key)
+        await self._forget_name(parent, node)
+        self.stats["unlinks"] += 1
+
+    async def _forget_name(self, parent: Inode, node: Inode) -> None:
+        """node is gone from parent: drop it from caches, and keep parent itself alive in the store."""
+        name = node.name
+        self.inodes.detach(node)
+        node.deleted = True
+        listing = parent.listing
+        if listing is not None:
+            listing.entries.pop(name, None)
+            if parent.kind is Kind.DIR and not listing.entries and not listing.marker:
+                # The directory existed only through its contents; keep it, as a local file system
+                # would, by giving it a marker.
+                vol = parent.volume
+                await self.store_for(vol).put(vol.bucket, parent.dir_prefix, b"", 0)
+                listing.marker = True
+
+    async def _is_empty(self, node: Inode) -> bool:
+        if any(c.staged is not None and not c.staged.dropped for c in node.children_by_name.values()):
+            return False
+        vol = node.volume
+        page = await self.store_for(vol).list_page(vol.bucket, node.dir_prefix, max_keys=2)
+        keys = [o.key for o in page.objects if o.key != node.dir_prefix]
+        return not keys and not page.prefixes
+
+    async def rmdir(self, parent_ino: int, name: str, caller: Caller | None = None) -> None:
+        parent = self.node(parent_ino)
+        vol = self._writer(caller, parent)
+        node = await self._lookup(parent, name, caller)
+        if node is None:
+            raise errors.fs_error(errors.ENOENT)
+        if not node.kind.is_dir:
+            raise errors.fs_error(errors.ENOTDIR)
+        if not await self._is_empty(node):
+            raise errors.fs_error(errors.ENOTEMPTY)
+        await self.store_for(vol).delete(vol.bucket, node.dir_prefix)
+        await self._forget_name(parent, node)
+        self.stats["rmdirs"] += 1
+
+    async def rename(self, old_parent_ino: int, old_name: str, new_parent_ino: int, new_name: str,
+                     flags: int = 0, caller: Caller | None = None) -> None:
+        old_parent = self.node(old_parent_ino)
+        new_parent = self.node(new_parent_ino)
+        vol = self._writer(caller, old_parent)
+        if self._writer(caller, new_parent) is not vol:
+            raise errors.fs_error(errors.EXDEV, "rename across volumes")  # mv then copies and deletes
+        if flags & RENAME_EXCHANGE:
+            raise errors.fs_error(errors.EINVAL, "RENAME_EXCHANGE is not supported")
+        node = await self._lookup(old_parent, old_name, caller)
+        if node is None:
+            raise errors.fs_error(errors.ENOENT)
+        self._check_new_name(new_parent, new_name, is_dir=node.kind.is_dir)
+        # Moving a directory into itself would make it its own ancestor.
+        p: Inode | None = new_parent
+        while p is not None:
+            if p is node:
+                raise errors.fs_error(errors.EINVAL, "cannot move a directory into itself")
+            p = p.parent
+        target = await self._lookup(new_parent, new_name, caller)
+        if target is node:
+            return
+        if target is not None:
+            if flags & RENAME_NOREPLACE:
+                raise errors.fs_error(errors.EEXIST)
+            if target.kind.is_dir and not node.kind.is_dir:
+                raise errors.fs_error(errors.EISDIR)
+            if node.kind.is_dir and not target.kind.is_dir:
+                raise errors.fs_error(errors.ENOTDIR)
+            if target.kind.is_dir and not await self._is_empty(target):
+                raise errors.fs_error(errors.ENOTEMPTY)
+        store = self.store_for(vol)
+        if node.kind is Kind.FILE:
+            await self._rename_file(store, vol, node, target, new_parent, new_name)
+        else:
+            await self._rename_dir(store, vol, node, target, new_parent, new_name)
+        if old_parent.listing is not None:
+            old_parent.listing.entries.pop(old_name, None)
+        if new_parent.listing is not None:
+            new_parent.listing.entries[new_name] = (
+                Entry(True, mtime_ns=node.mtime_ns) if node.kind.is_dir
+                else Entry(False, node.size, node.etag, node.mtime_ns))
+        self.stats["renames"] += 1
+
+    async def _rename_file(self, store: AsyncStore, vol: Volume, node: Inode, target: Inode | None,
+                           new_parent: Inode, new_name: str) -> None:
+        if target is not None:
+            if target.staged is not None:
+                await self.committer.drop(target.staged)
+            self.inodes.detach(target)
+            target.deleted = True
+        old_key = node.key
+        if node.staged is None:
+            # Committed file: copy on the server, then remove the old name.
+            info = await store.copy(vol.bucket, old_key, new_parent.dir_prefix + new_name)
+            await store.delete(vol.bucket, old_key)
+            self.inodes.move(node, new_parent, new_name)
+            node.etag = info.etag
+            node.page_cache_etag = info.etag if node.page_cache_etag else None
+            return
+        # Local data: it is committed under the new name; whatever the old name held goes.
+        had_remote = bool(node.etag)
+        self.inodes.move(node, new_parent, new_name)
+        await self.committer.renamed(node.staged)
+        if had_remote:
+            await store.delete(vol.bucket, old_key)
+            node.etag = ""
+
+    async def _rename_dir(self, store: AsyncStore, vol: Volume, node: Inode, target: Inode | None,
+                          new_parent: Inode, new_name: str) -> None:
+        """Copy every object under the old prefix to the new one, then delete the old ones. Not atomic:
+        another host may see both or part of each while it runs (README "Semantics")."""
+        old_prefix = node.dir_prefix
+        new_prefix = new_parent.dir_prefix + new_name + "/"
+        keys = []
+        token = None
+        while True:
+            page = await store.list_page(vol.bucket, old_prefix, delimiter="", token=token)
+            keys.extend(o.key for o in page.objects)
+            token = page.next_token
+            if token is None:
+                break
+        staged_keys = {s.node.key for s in self.committer.staged.values() if not s.dropped}
+        limiter = trio.CapacityLimiter(32)
+
+        async def copy(key: str) -> None:
+            async with limiter:
+                if key in staged_keys:
+                    return  # its local data is committed under the new name below
+                await store.copy(vol.bucket, key, new_prefix + key[len(old_prefix):])
+
+        async with trio.open_nursery() as n:
+            for k in keys:
+                n.start_soon(copy, k)
+        if old_prefix not in keys:
+            await store.put(vol.bucket, new_prefix, b"", 0)  # keep the (possibly empty) directory
+        if target is not None:
+            await store.delete(vol.bucket, target.dir_prefix)
+            self.inodes.detach(target)
+            target.deleted = True
+        self.inodes.move(node, new_parent, new_name)
+        for s in list(self.committer.staged.values()):
+            if not s.dropped and s.volume is vol and s.node.key.startswith(new_prefix):
+                s.node.etag = ""
+                await self.committer.renamed(s)
+
+        async def delete(key: str) -> None:
+            async with limiter:
+                await store.delete(vol.bucket, key)
+
+        # Objects first, then directory markers deepest first, so no store sees a marker go while
+        # something beneath it is still there.
+        async with trio.open_nursery() as n:
+            for k in keys:
+                if not k.endswith("/"):
+                    n.start_soon(delete, k)
+        for k in sorted((k for k in keys if k.endswith("/")), key=lambda k: -k.count("/")):
+            await store.delete(vol.bucket, k)
+        self._invalidate_subtree(node)
+
+    def _invalidate_subtree(self, node: Inode) -> None:
+        """After a directory rename, what we knew about its contents is keyed by old names."""
+        stack = [node]
+        while stack:
+            d = stack.pop()
+            d.listing = None
+            d.attr_expires = 0.0
+            for c in d.children_by_name.values():
+                if c.staged is None:
+                    c.attr_expires = 0.0
+                if c.kind.is_dir:
+                    stack.append(c)
+
+    def materialize(self, vol: Volume, rel_path: str) -> Inode:
+        """The inode for a path in a volume, made with its parents if unknown (journal replay)."""
+        node = self.inodes.root
+        for name, kind in ((vol.catalog, Kind.CATALOG), (vol.schema, Kind.SCHEMA), (vol.name, Kind.VOLUME)):
+            node = self.inodes.add_child(node, name, kind, vol if kind is Kind.VOLUME else None)
+        parts = rel_path.split("/")
+        for name in parts[:-1]:
+            node = self.inodes.add_child(node, name, Kind.DIR, vol)
+        return self.inodes.add_child(node, parts[-1], Kind.FILE, vol)
+
+    # -- file system ----------------------------------------------------------------------------
+    def statfs(self) -> dict[str, int]:
+        """Sizes reported to df: the object store has no fixed size, so report a large one; free
+        space is what the local staging/cache disk has, since that is what writes need first."""
+        bsize = self.cfg.block_bytes
+        free = 1 << 50
+        if self.cache is not None:
+            st = os.statvfs(self.cache.root)
+            free = st.f_bavail * st.f_frsize
+        total = max(1 << 50, free)
+        return {"f_bsize": bsize, "f_frsize": bsize, "f_blocks": total // bsize,
+                "f_bfree": free // bsize, "f_bavail": free // bsize, "f_files": 1 << 32,
+                "f_ffree": 1 << 31, "f_favail": 1 << 31, "f_namemax": NAME_MAX_BYTES}
+
+    def statistics(self) -> dict:
+        out: dict = {"core": dict(self.stats), "inodes": len(self.inodes),
+                     "readahead_bytes": self.budget.used_bytes,
+                     "readahead_peak_bytes": self.budget.peak_bytes,
+                     "readahead_budget_bytes": self.budget.capacity_bytes,
+                     "open_handles": len(self._handles)}
+        out["stores"] = {name: s.store.statistics() for name, s in self.stores.items()}
+        if self.cache is not None:
+            out["cache"] = self.cache.statistics()
+        if self.committer is not None:
+            out["commits"] = self.committer.statistics()
+        return out
+
+
+def _usable_name(name: str, key: str) -> bool:
+    """Can this store name be shown as a file name? Keys with '//', '.', '..' or over-long parts
+    cannot; they are skipped (and logged) rather than shown wrongly."""
+    if not name or name in (".", "..") or "/" in name or len(name.encode()) > NAME_MAX_BYTES or "\0" in name:
+        log.info("skipping key %r: its name %r cannot be a file name", key, name)
+        return False
+    return True

@@ -1,0 +1,234 @@
+"""pyfuse3 Operations: translate kernel requests to `Core` calls and back. No logic lives here.
+
+Every handler goes through `_translate`: an `OSError` becomes `FUSEError(errno)`; anything else is
+logged with its traceback and becomes `EIO`, because an exception escaping a handler would end
+`pyfuse3.main()` and with it the mount.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import stat
+from typing import Any, Callable
+
+import pyfuse3
+import trio
+
+from . import errors
+from .core import Attributes, Caller, Core
+
+log = logging.getLogger(__name__)
+
+# Extended attributes on the mount's root that report the daemon's state (`ucfs status` reads them).
+XATTR_STATUS = b"user.ucfs.status"
+
+
+def _translate(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    async def wrapper(self, *args: Any) -> Any:
+        try:
+            return await fn(self, *args)
+        except pyfuse3.FUSEError:
+            raise
+        except OSError as e:
+            raise pyfuse3.FUSEError(_errno_of(fn.__name__, e)) from None
+        except BaseExceptionGroup as group:
+            # Parallel store calls (trio nurseries) fail as a group: answer with the first OSError.
+            oserrors, rest = group.split(OSError)
+            if rest is not None and not rest.subgroup(lambda e: isinstance(e, (trio.Cancelled, KeyboardInterrupt))):
+                log.error("%s failed unexpectedly; returning EIO", fn.__name__, exc_info=rest)
+                raise pyfuse3.FUSEError(errors.EIO) from None
+            if oserrors is None:
+                raise
+            first = next(_leaves(oserrors))
+            raise pyfuse3.FUSEError(_errno_of(fn.__name__, first)) from None
+        except (trio.Cancelled, KeyboardInterrupt):
+            raise
+        except Exception:
+            log.exception("%s failed unexpectedly; returning EIO", fn.__name__)
+            raise pyfuse3.FUSEError(errors.EIO) from None
+
+    return wrapper
+
+
+def _errno_of(op: str, e: OSError) -> int:
+    err = e.errno or errors.EIO
+    if err == errors.EIO:
+        log.error("%s: I/O error: %s", op, e)  # the log line that says why
+    return err
+
+
+def _leaves(group: BaseExceptionGroup):
+    for e in group.exceptions:
+        if isinstance(e, BaseExceptionGroup):
+            yield from _leaves(e)
+        else:
+            yield e
+
+
+def _caller(ctx: pyfuse3.RequestContext | None) -> Caller | None:
+    if ctx is None:
+        return None
+    pid = ctx.pid
+    return Caller(ctx.uid, ctx.gid, pid, lambda: pyfuse3.get_sup_groups(pid))
+
+
+def _entry(a: Attributes) -> pyfuse3.EntryAttributes:
+    e = pyfuse3.EntryAttributes()
+    e.st_ino = a.ino
+    e.generation = 0
+    e.entry_timeout = a.entry_timeout_s
+    e.attr_timeout = a.attr_timeout_s
+    e.st_mode = a.mode
+    e.st_nlink = a.nlink
+    e.st_uid = a.uid
+    e.st_gid = a.gid
+    e.st_rdev = 0
+    e.st_size = a.size
+    e.st_blksize = a.blksize
+    e.st_blocks = (a.size + 511) // 512
+    e.st_atime_ns = a.mtime_ns
+    e.st_mtime_ns = a.mtime_ns
+    e.st_ctime_ns = a.mtime_ns
+    return e
+
+
+def _negative_entry(timeout_s: float) -> pyfuse3.EntryAttributes:
+    """"No such name", cacheable by the kernel for `timeout_s` (inode 0 means a negative entry)."""
+    e = pyfuse3.EntryAttributes()
+    e.st_ino = 0
+    e.entry_timeout = timeout_s
+    return e
+
+
+class Operations(pyfuse3.Operations):
+    supports_dot_lookup = False
+    enable_writeback_cache = False
+    enable_acl = False
+
+    def __init__(self, core: Core):
+        super().__init__()
+        self.core = core
+
+    # -- names ----------------------------------------------------------------------------------
+    @_translate
+    async def lookup(self, parent_inode, name, ctx=None):
+        attrs = await self.core.lookup(parent_inode, os.fsdecode(name), _caller(ctx))
+        if attrs is None:
+            return _negative_entry(self.core.cfg.metadata_ttl_s)
+        return _entry(attrs)
+
+    async def forget(self, inode_list):
+        for ino, n in inode_list:
+            self.core.forget(ino, n)
+
+    @_translate
+    async def getattr(self, inode, ctx=None):
+        return _entry(await self.core.getattr(inode, _caller(ctx)))
+
+    # -- directories ----------------------------------------------------------------------------
+    @_translate
+    async def opendir(self, inode, ctx):
+        return await self.core.opendir(inode, _caller(ctx))
+
+    @_translate
+    async def readdir(self, fh, start_id, token):
+        for idx, name, attrs in self.core.readdir(fh, start_id):
+            accepted = pyfuse3.readdir_reply(token, os.fsencode(name), _entry(attrs), idx + 1)
+            self.core.entry_accepted(attrs.ino, accepted)
+            if not accepted:
+                break
+
+    @_translate
+    async def releasedir(self, fh):
+        self.core.releasedir(fh)
+
+    # -- files ----------------------------------------------------------------------------------
+    @_translate
+    async def open(self, inode, flags, ctx):
+        fh, keep_cache = await self.core.open(inode, flags, _caller(ctx))
+        return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache)
+
+    @_translate
+    async def read(self, fh, off, size):
+        return await self.core.read(fh, off, size)
+
+    @_translate
+    async def release(self, fh):
+        await self.core.release(fh)
+
+    @_translate
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        if not stat.S_ISREG(mode):
+            raise pyfuse3.FUSEError(errors.EPERM)
+        fh, attrs = await self.core.create(parent_inode, os.fsdecode(name), flags, _caller(ctx))
+        return pyfuse3.FileInfo(fh=fh, keep_cache=False), _entry(attrs)
+
+    @_translate
+    async def write(self, fh, off, buf):
+        return await self.core.write(fh, off, buf)
+
+    @_translate
+    async def flush(self, fh):
+        await self.core.flush(fh)
+
+    @_translate
+    async def fsync(self, fh, datasync):
+        await self.core.fsync(fh)
+
+    @_translate
+    async def fsyncdir(self, fh, datasync):
+        await self.core.fsyncdir(fh)
+
+    @_translate
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        size = attr.st_size if fields.update_size else None
+        mtime = attr.st_mtime_ns if fields.update_mtime else None
+        return _entry(await self.core.setattr(inode, size=size, mtime_ns=mtime, fh=fh, caller=_caller(ctx)))
+
+    @_translate
+    async def mkdir(self, parent_inode, name, mode, ctx):
+        return _entry(await self.core.mkdir(parent_inode, os.fsdecode(name), _caller(ctx)))
+
+    @_translate
+    async def unlink(self, parent_inode, name, ctx):
+        await self.core.unlink(parent_inode, os.fsdecode(name), _caller(ctx))
+
+    @_translate
+    async def rmdir(self, parent_inode, name, ctx):
+        await self.core.rmdir(parent_inode, os.fsdecode(name), _caller(ctx))
+
+    @_translate
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        await self.core.rename(parent_inode_old, os.fsdecode(name_old), parent_inode_new,
+                               os.fsdecode(name_new), flags, _caller(ctx))
+
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        raise pyfuse3.FUSEError(errors.EPERM)  # devices, fifos and sockets cannot live in an object store
+
+    async def symlink(self, parent_inode, name, target, ctx):
+        raise pyfuse3.FUSEError(errors.EPERM)  # no symlinks in an object store (git copes: core.symlinks)
+
+    async def link(self, inode, new_parent_inode, new_name, ctx):
+        raise pyfuse3.FUSEError(errors.EPERM)  # no hard links (git falls back to rename)
+
+    # -- file system ----------------------------------------------------------------------------
+    @_translate
+    async def statfs(self, ctx):
+        s = pyfuse3.StatvfsData()
+        for k, v in self.core.statfs().items():
+            setattr(s, k, v)
+        return s
+
+    @_translate
+    async def getxattr(self, inode, name, ctx):
+        if inode == pyfuse3.ROOT_INODE and name == XATTR_STATUS:
+            return json.dumps(self.core.statistics(), default=str).encode()
+        raise pyfuse3.FUSEError(errors.ENODATA)
+
+    @_translate
+    async def listxattr(self, inode, ctx):
+        return [XATTR_STATUS] if inode == pyfuse3.ROOT_INODE else []

@@ -1,0 +1,163 @@
+"""The commit journal: which closed files still have to reach the store, durable on local disk.
+
+One sqlite3 database (WAL, synchronous=FULL) in the state directory. A row is written, and made
+durable, when a file is closed with changes (after its staging file is fsynced): from then on a crash
+cannot lose it. The row is removed once the file is committed; that removal need not be durable at
+once (after a crash the commit is simply repeated, which is harmless).
+
+Writes are batched: whatever callers queue while a transaction is being written goes into the next
+one, so 64 files closed at once cost a few fsyncs, not 64. sqlite runs in one dedicated thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+
+from .errors import UcfsError
+
+log = logging.getLogger(__name__)
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS pending (
+    id INTEGER PRIMARY KEY,
+    volume TEXT NOT NULL,      -- catalog.schema.volume
+    path TEXT NOT NULL,        -- path inside the volume
+    staging TEXT NOT NULL,     -- file name in the staging directory
+    size INTEGER NOT NULL,
+    state TEXT NOT NULL,       -- 'ready' (to commit) or 'failed' (permanent error, kept)
+    attempts INTEGER NOT NULL DEFAULT 0,
+    error TEXT NOT NULL DEFAULT '',
+    upload_id TEXT NOT NULL DEFAULT '',  -- multipart upload under way (aborted on replay)
+    created REAL NOT NULL,
+    updated REAL NOT NULL
+);
+"""
+
+
+@dataclass
+class Record:
+    id: int
+    volume: str
+    path: str
+    staging: str
+    size: int
+    state: str
+    attempts: int
+    error: str
+    upload_id: str
+    created: float
+
+
+class Journal:
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(SCHEMA)
+            self._db.execute("SELECT count(*) FROM pending").fetchone()
+            check = self._db.execute("PRAGMA quick_check").fetchone()[0]
+            if check != "ok":
+                raise sqlite3.DatabaseError(check)
+        except sqlite3.DatabaseError as e:
+            raise UcfsError(
+                f"commit journal {path} is damaged ({e}). Staged data is kept in {path.parent / 'staging'}. "
+                f"Move the journal aside (mv {path} {path}.damaged) and mount again: files in the staging "
+                f"directory that no journal names are then moved to {path.parent / 'orphans'} for you to "
+                "recover by hand.") from None
+        self._limiter = trio.CapacityLimiter(1)  # sqlite in one thread at a time
+        self._queue: list[tuple[str, tuple, dict | None]] = []
+        self._wakeup = trio.Event()
+        self._closed = False
+
+    # -- reading (at mount, before serving) -------------------------------------------------------
+    def records(self) -> list[Record]:
+        rows = self._db.execute("SELECT id, volume, path, staging, size, state, attempts, error, upload_id, "
+                                "created FROM pending ORDER BY id").fetchall()
+        return [Record(*r) for r in rows]
+
+    # -- writing --------------------------------------------------------------------------------
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Write queued statements in batches until closed."""
+        task_status.started()
+        while True:
+            if not self._queue:
+                if self._closed:
+                    return
+                await self._wakeup.wait()
+                self._wakeup = trio.Event()
+                continue
+            batch, self._queue = self._queue, []
+            with trio.CancelScope(shield=True):  # a batch once started is written whole
+                try:
+                    await trio.to_thread.run_sync(self._write, batch, limiter=self._limiter)
+                except Exception as e:  # noqa: BLE001 - hand the failure to every waiter
+                    log.error("commit journal write failed: %s", e)
+                    for _, _, waiter in batch:
+                        if waiter is not None:
+                            waiter["error"] = e
+            for _, _, waiter in batch:
+                if waiter is not None:
+                    waiter["done"].set()  # trio events are set here, in trio's thread
+
+    def _write(self, batch) -> None:
+        cur = self._db.cursor()
+        cur.execute("BEGIN IMMEDIATE")
+        try:
+            for sql, params, waiter in batch:
+                cur.execute(sql, params)
+                if waiter is not None:
+                    waiter["rowid"] = cur.lastrowid
+            cur.execute("COMMIT")
+        except BaseException:
+            cur.execute("ROLLBACK")
+            raise
+
+    def _enqueue(self, sql: str, params: tuple, waiter: dict | None) -> None:
+        self._queue.append((sql, params, waiter))
+        self._wakeup.set()
+
+    async def _execute(self, sql: str, params: tuple) -> int:
+        waiter = {"done": trio.Event()}
+        self._enqueue(sql, params, waiter)
+        await waiter["done"].wait()
+        if "error" in waiter:
+            raise OSError(5, f"commit journal write failed: {waiter['error']}")
+        return waiter.get("rowid", 0)
+
+    async def add(self, volume: str, path: str, staging: str, size: int) -> int:
+        now = time.time()
+        return await self._execute(
+            "INSERT INTO pending (volume, path, staging, size, state, created, updated) "
+            "VALUES (?, ?, ?, ?, 'ready', ?, ?)", (volume, path, staging, size, now, now))
+
+    async def mark_ready(self, rid: int, size: int, path: str) -> None:
+        await self._execute("UPDATE pending SET size=?, path=?, state='ready', error='', updated=? WHERE id=?",
+                            (size, path, time.time(), rid))
+
+    async def rename(self, rid: int, path: str) -> None:
+        await self._execute("UPDATE pending SET path=?, updated=? WHERE id=?", (path, time.time(), rid))
+
+    def note_attempt_nowait(self, rid: int, attempts: int, error: str, failed: bool) -> None:
+        self._enqueue("UPDATE pending SET attempts=?, error=?, state=?, updated=? WHERE id=?",
+                      (attempts, error[:500], "failed" if failed else "ready", time.time(), rid), None)
+
+    def note_upload_nowait(self, rid: int, upload_id: str) -> None:
+        self._enqueue("UPDATE pending SET upload_id=? WHERE id=?", (upload_id, rid), None)
+
+    def remove_nowait(self, rid: int) -> None:
+        self._enqueue("DELETE FROM pending WHERE id=?", (rid,), None)
+
+    async def close(self) -> None:
+        self._closed = True
+        self._wakeup.set()
+
+    def close_db(self) -> None:
+        self._db.close()
