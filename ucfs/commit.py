@@ -113,6 +113,7 @@ class Staged:
     error: OSError | None = None  # permanent commit failure
     attempts: int = 0
     queued: bool = False
+    fsync_waiters: int = 0
     dropped: bool = False  # unlinked: never commit
     appends_only: bool = True  # every write so far extended the file (stream candidate)
     stream: Stream | None = None
@@ -161,6 +162,12 @@ class Committer:
 
     async def _replay(self) -> None:
         """Take up what a previous daemon left: every journal row is committed again."""
+        for upload_id, vname, key in self.journal.uploads():
+            vol = self._volume(vname)
+            if vol is not None:
+                await self._abort_quietly(vol, key, upload_id)  # also forgets it
+            else:
+                self.journal.remove_upload_nowait(upload_id)
         records = self.journal.records()
         named = {r.staging for r in records}
         self._collect_orphans(named)
@@ -172,8 +179,6 @@ class Committer:
                           "volume no longer registered" if vol is None else "staging file missing")
                 self.journal.remove_nowait(r.id)
                 continue
-            if r.upload_id:
-                await self._abort_quietly(vol, vol.prefix + r.path, r.upload_id)
             node = self.core.materialize(vol, r.path)
             if node.staged is not None:  # two rows for one path: the later one wins
                 self.journal.remove_nowait(r.id)
@@ -366,16 +371,21 @@ class Committer:
 
     async def fsync(self, s: Staged) -> None:
         """Return once the file's current content is in the store (or its commit failed)."""
-        await self.flush(s)
-        target = s.generation
-        while not s.dropped and s.committed_generation < target:
+        s.fsync_waiters += 1  # before anything is queued: a stream must not wait for the last close
+        try:
             if s.error is not None:
-                raise s.error
-            if not s.queued and not s.commit_lock.locked():
+                s.error = None  # asked again: try again (the cause may be fixed by now)
                 self._enqueue(s)
-            await s.progress.wait()
-        if s.error is not None and s.committed_generation < target:
-            raise s.error
+            await self.flush(s)
+            target = s.generation
+            while not s.dropped and s.committed_generation < target:
+                if s.error is not None:
+                    raise s.error
+                if not s.queued and not s.commit_lock.locked():
+                    self._enqueue(s)
+                await s.progress.wait()
+        finally:
+            s.fsync_waiters -= 1
 
     async def fsync_tree(self, node: Inode) -> None:
         """fsync on a directory: wait for everything pending beneath it."""
@@ -392,6 +402,8 @@ class Committer:
         s.handles -= 1
         if h.writable:
             s.writers -= 1
+        if s.writers == 0 and s.stream is not None and s.dirty and s.flushed_generation >= 0:
+            self._enqueue(s)  # its commit waited for the last writer to finish the stream
         self._maybe_retire(s)
 
     # -- the queue ------------------------------------------------------------------------------
@@ -461,8 +473,11 @@ class Committer:
         key = s.node.key
         gen = s.generation
         t0 = time.monotonic()
-        if s.stream is not None and s.stream.valid and s.stream.key == key and s.writers == 0:
-            info = await self._finish_stream(s, store)
+        st = s.stream
+        if st is not None and st.valid and st.key == key:
+            if s.writers > 0 and not s.fsync_waiters:
+                return  # still being written: its last close queues it again
+            info, gen = await self._finish_stream(s, store)
         else:
             self._invalidate_stream(s, "committing whole")
             if s.size <= SINGLE_PUT_MAX_BYTES:
@@ -518,9 +533,7 @@ class Committer:
         vol = s.volume
         gen = s.generation
         size = s.size
-        upload_id = await store.create_multipart(vol.bucket, key)
-        if s.rid is not None:
-            self.journal.note_upload_nowait(s.rid, upload_id)
+        upload_id = await self._start_upload(vol, store, key)
         parts: dict[int, str] = {}
         ranges = []
         off, n = 0, 1
@@ -553,6 +566,7 @@ class Committer:
                 if s.generation != gen:
                     raise _Changed()
             info = await store.complete_multipart(vol.bucket, key, upload_id, sorted(parts.items()))
+            self.journal.remove_upload_nowait(upload_id)
             self.stats["multipart"] += 1
             return info
         except BaseException:
@@ -560,9 +574,21 @@ class Committer:
                 await self._abort_quietly(vol, key, upload_id)
             raise
 
+    async def _start_upload(self, vol: Volume, store: AsyncStore, key: str) -> str:
+        """Create a multipart upload, recorded durably first so a crash cannot leak its parts."""
+        upload_id = await store.create_multipart(vol.bucket, key)
+        try:
+            await self.journal.add_upload(upload_id, vol.full_name, key)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await self._abort_quietly(vol, key, upload_id)
+            raise
+        return upload_id
+
     async def _abort_quietly(self, vol: Volume, key: str, upload_id: str) -> None:
         try:
             await self.core.store_for(vol).abort_multipart(vol.bucket, key, upload_id)
+            self.journal.remove_upload_nowait(upload_id)
         except errors.StoreError as e:
             log.info("could not abort multipart upload %s of %r: %s", upload_id, key, e)
 
@@ -593,7 +619,7 @@ class Committer:
     async def _create_stream(self, s: Staged, st: Stream) -> None:
         vol = s.volume
         try:
-            st.upload_id = await self.core.store_for(vol).create_multipart(vol.bucket, st.key)
+            st.upload_id = await self._start_upload(vol, self.core.store_for(vol), st.key)
         except errors.StoreError as e:
             st.error = e
             st.valid = False
@@ -655,29 +681,38 @@ class Committer:
         if st.upload_id:
             await self._abort_quietly(vol, st.key, st.upload_id)
 
-    async def _finish_stream(self, s: Staged, store: AsyncStore):
+    async def _finish_stream(self, s: Staged, store: AsyncStore) -> tuple[object, int]:
+        """Complete a stream: upload what follows its last full part, then complete the upload.
+
+        Returns the object's info and the generation it holds. Appends that arrive meanwhile belong
+        to a later generation (and a later commit); they do not disturb this one.
+        """
         st = s.stream
         await st.created.wait()
-        await st.idle.wait()
-        if not st.valid or st.error is not None or st.upload_id is None:
-            self._invalidate_stream(s, "stream failed")
-            raise _Changed()
         vol = s.volume
-        if s.rid is not None:
-            self.journal.note_upload_nowait(s.rid, st.upload_id)
         async with s.lock:
-            gen = s.generation
-            tail = s.size - st.next_off
+            if s.stream is not st or not st.valid or st.upload_id is None:
+                raise _Changed()
+            s.stream = None  # no part joins this upload any more
+            gen, size = s.generation, s.size
+            tail = size - st.next_off
             data = await run_disk(os.pread, s.fd, tail, st.next_off) if tail > 0 else b""
-        if tail > 0:
-            st.parts[st.next_part] = await store.upload_part(vol.bucket, st.key, st.upload_id, st.next_part,
-                                                             data, tail)
-        if not s.appends_only or s.generation != gen or s.stream is not st:
-            raise _Changed()
-        s.stream = None
-        info = await store.complete_multipart(vol.bucket, st.key, st.upload_id, sorted(st.parts.items()))
+        try:
+            await st.idle.wait()
+            if st.error is not None or not st.valid:
+                raise _Changed()
+            if tail > 0:
+                st.parts[st.next_part] = await store.upload_part(vol.bucket, st.key, st.upload_id,
+                                                                 st.next_part, data, tail)
+            info = await store.complete_multipart(vol.bucket, st.key, st.upload_id, sorted(st.parts.items()))
+            self.journal.remove_upload_nowait(st.upload_id)
+        except BaseException:
+            st.valid = False
+            with trio.CancelScope(shield=True):
+                await self._abort_quietly(vol, st.key, st.upload_id)
+            raise
         self.stats["streamed"] += 1
-        return info
+        return info, gen
 
     # -- namespace changes of staged files --------------------------------------------------------
     async def drop(self, s: Staged) -> None:
@@ -696,17 +731,21 @@ class Committer:
     async def renamed(self, s: Staged) -> None:
         """The file now has another key: its content must be committed there."""
         async with s.commit_lock:
-            self._invalidate_stream(s, "renamed")
-            s.committed_generation = -1  # whatever was committed went under the old name
-            path = s.node.rel_path()
-            if s.flushed_generation >= 0:
-                if s.rid is None:
-                    s.rid = await self.journal.add(s.volume.full_name, path, s.path.name, s.size)
-                else:
-                    await self.journal.rename(s.rid, path)
-                self._enqueue(s)
-            elif s.rid is not None:
+            await self.renamed_locked(s)
+
+    async def renamed_locked(self, s: Staged) -> None:
+        """`renamed`, for a caller that already holds the file's commit lock."""
+        self._invalidate_stream(s, "renamed")
+        s.committed_generation = -1  # whatever was committed went under the old name
+        path = s.node.rel_path()
+        if s.flushed_generation >= 0:
+            if s.rid is None:
+                s.rid = await self.journal.add(s.volume.full_name, path, s.path.name, s.size)
+            else:
                 await self.journal.rename(s.rid, path)
+            self._enqueue(s)
+        elif s.rid is not None:
+            await self.journal.rename(s.rid, path)
 
     def _maybe_retire(self, s: Staged) -> None:
         """Remove the staging file once it is committed (or dropped) and no handle has it open."""

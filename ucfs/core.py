@@ -14,6 +14,7 @@ have expired checks the object again, and tells the kernel to drop cached pages 
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import os
@@ -771,37 +772,42 @@ class Core:
         another host may see both or part of each while it runs (README "Semantics")."""
         old_prefix = node.dir_prefix
         new_prefix = new_parent.dir_prefix + new_name + "/"
-        keys = []
-        token = None
-        while True:
-            page = await store.list_page(vol.bucket, old_prefix, delimiter="", token=token)
-            keys.extend(o.key for o in page.objects)
-            token = page.next_token
-            if token is None:
-                break
-        staged_keys = {s.node.key for s in self.committer.staged.values() if not s.dropped}
-        limiter = trio.CapacityLimiter(32)
+        staged = [s for s in self.committer.staged.values()
+                  if not s.dropped and s.volume is vol and s.node.key.startswith(old_prefix)]
+        async with contextlib.AsyncExitStack() as stack:
+            # No commit beneath may land under the old name while we move things: hold them all.
+            for s in staged:
+                await stack.enter_async_context(s.commit_lock)
+            keys = []
+            token = None
+            while True:
+                page = await store.list_page(vol.bucket, old_prefix, delimiter="", token=token)
+                keys.extend(o.key for o in page.objects)
+                token = page.next_token
+                if token is None:
+                    break
+            staged_keys = {s.node.key for s in staged}
+            limiter = trio.CapacityLimiter(32)
 
-        async def copy(key: str) -> None:
-            async with limiter:
-                if key in staged_keys:
-                    return  # its local data is committed under the new name below
-                await store.copy(vol.bucket, key, new_prefix + key[len(old_prefix):])
+            async def copy(key: str) -> None:
+                async with limiter:
+                    if key in staged_keys:
+                        return  # its local data is committed under the new name below
+                    await store.copy(vol.bucket, key, new_prefix + key[len(old_prefix):])
 
-        async with trio.open_nursery() as n:
-            for k in keys:
-                n.start_soon(copy, k)
-        if old_prefix not in keys:
-            await store.put(vol.bucket, new_prefix, b"", 0)  # keep the (possibly empty) directory
-        if target is not None:
-            await store.delete(vol.bucket, target.dir_prefix)
-            self.inodes.detach(target)
-            target.deleted = True
-        self.inodes.move(node, new_parent, new_name)
-        for s in list(self.committer.staged.values()):
-            if not s.dropped and s.volume is vol and s.node.key.startswith(new_prefix):
+            async with trio.open_nursery() as n:
+                for k in keys:
+                    n.start_soon(copy, k)
+            if old_prefix not in keys:
+                await store.put(vol.bucket, new_prefix, b"", 0)  # keep the (possibly empty) directory
+            if target is not None:
+                await store.delete(vol.bucket, target.dir_prefix)
+                self.inodes.detach(target)
+                target.deleted = True
+            self.inodes.move(node, new_parent, new_name)
+            for s in staged:
                 s.node.etag = ""
-                await self.committer.renamed(s)
+                await self.committer.renamed_locked(s)
 
         async def delete(key: str) -> None:
             async with limiter:

@@ -33,9 +33,16 @@ CREATE TABLE IF NOT EXISTS pending (
     state TEXT NOT NULL,       -- 'ready' (to commit) or 'failed' (permanent error, kept)
     attempts INTEGER NOT NULL DEFAULT 0,
     error TEXT NOT NULL DEFAULT '',
-    upload_id TEXT NOT NULL DEFAULT '',  -- multipart upload under way (aborted on replay)
     created REAL NOT NULL,
     updated REAL NOT NULL
+);
+-- Multipart uploads started and not yet completed or aborted: a restarted daemon aborts them, so a
+-- crash never leaves parts behind in the store.
+CREATE TABLE IF NOT EXISTS uploads (
+    upload_id TEXT PRIMARY KEY,
+    volume TEXT NOT NULL,
+    key TEXT NOT NULL,
+    created REAL NOT NULL
 );
 """
 
@@ -50,7 +57,6 @@ class Record:
     state: str
     attempts: int
     error: str
-    upload_id: str
     created: float
 
 
@@ -79,9 +85,13 @@ class Journal:
 
     # -- reading (at mount, before serving) -------------------------------------------------------
     def records(self) -> list[Record]:
-        rows = self._db.execute("SELECT id, volume, path, staging, size, state, attempts, error, upload_id, "
+        rows = self._db.execute("SELECT id, volume, path, staging, size, state, attempts, error, "
                                 "created FROM pending ORDER BY id").fetchall()
         return [Record(*r) for r in rows]
+
+    def uploads(self) -> list[tuple[str, str, str]]:
+        """(upload_id, volume, key) of multipart uploads a previous daemon left unfinished."""
+        return self._db.execute("SELECT upload_id, volume, key FROM uploads").fetchall()
 
     # -- writing --------------------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -149,8 +159,12 @@ class Journal:
         self._enqueue("UPDATE pending SET attempts=?, error=?, state=?, updated=? WHERE id=?",
                       (attempts, error[:500], "failed" if failed else "ready", time.time(), rid), None)
 
-    def note_upload_nowait(self, rid: int, upload_id: str) -> None:
-        self._enqueue("UPDATE pending SET upload_id=? WHERE id=?", (upload_id, rid), None)
+    async def add_upload(self, upload_id: str, volume: str, key: str) -> None:
+        await self._execute("INSERT OR REPLACE INTO uploads (upload_id, volume, key, created) VALUES (?, ?, ?, ?)",
+                            (upload_id, volume, key, time.time()))
+
+    def remove_upload_nowait(self, upload_id: str) -> None:
+        self._enqueue("DELETE FROM uploads WHERE upload_id=?", (upload_id,), None)
 
     def remove_nowait(self, rid: int) -> None:
         self._enqueue("DELETE FROM pending WHERE id=?", (rid,), None)
