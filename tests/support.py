@@ -1,0 +1,148 @@
+"""Helpers the tests share: a real ucfs daemon in a subprocess, catalogs, store checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ucfs.testing.rgw import RGWServer, S3Endpoint
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def delete_prefix(s3, bucket: str, prefix: str) -> None:
+    paginator = s3.get_paginator("list_objects_v2")
+    for page in paginator.paginate(Bucket=bucket, Prefix=prefix):
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", ())]
+        for i in range(0, len(keys), 1000):
+            s3.delete_objects(Bucket=bucket, Delete={"Objects": keys[i:i + 1000], "Quiet": True})
+
+
+def server_gets(rgw: RGWServer, bucket: str, prefix: str) -> int:
+    """Object GETs (not HEADs) the server answered under bucket/prefix, from its ops log."""
+    want = f"GET /{bucket}/{prefix}"
+    return sum(1 for e in rgw.ops_log() if str(e.get("uri", "")).startswith(want))
+
+
+def wait_until(pred, timeout: float, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v or time.monotonic() > deadline:
+            return v
+        time.sleep(interval)
+
+
+@dataclass
+class Mount:
+    """One `ucfs mount --foreground` daemon in a subprocess, on its own mountpoint and cache."""
+
+    root: Path
+    endpoint: S3Endpoint
+    catalog_text: str
+    extra_args: tuple[str, ...] = ()
+    proc: subprocess.Popen | None = None
+
+    @property
+    def mountpoint(self) -> Path:
+        return self.root / "mnt"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.root / "state"
+
+    @property
+    def log_path(self) -> Path:
+        return self.root / "ucfs.log"
+
+    def env(self) -> dict:
+        env = dict(os.environ)
+        env.update(AWS_ACCESS_KEY_ID=self.endpoint.access_key, AWS_SECRET_ACCESS_KEY=self.endpoint.secret_key,
+                   AWS_REGION=self.endpoint.region, AWS_EC2_METADATA_DISABLED="true",
+                   PYTHONUNBUFFERED="1")
+        return env
+
+    def start(self, timeout: float = 60) -> "Mount":
+        self.mountpoint.mkdir(parents=True, exist_ok=True)
+        cat = self.root / "catalog.toml"
+        cat.write_text(self.catalog_text)
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ucfs", "mount", str(self.mountpoint), "--foreground", "--config", str(cat),
+             "--cache-dir", str(self.state_dir), "--log-level", "debug", *self.extra_args],
+            stdout=log, stderr=subprocess.STDOUT, env=self.env(), cwd=REPO)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ucfs mount exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if os.path.ismount(self.mountpoint):
+                try:
+                    self.status()
+                    return self
+                except OSError:
+                    pass
+            time.sleep(0.05)
+        raise RuntimeError(f"ucfs mount not ready after {timeout} s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def status(self) -> dict:
+        return json.loads(os.getxattr(self.mountpoint, "user.ucfs.status"))
+
+    def store_stats(self) -> dict:
+        stores = self.status()["stores"]
+        assert len(stores) == 1
+        return next(iter(stores.values()))
+
+    def path(self, volume: str = "test.s.vol") -> Path:
+        return self.mountpoint.joinpath(*volume.split("."))
+
+    def stop(self, wait: bool = True, timeout: float = 120) -> int:
+        """Unmount the way a user does (ucfs unmount) and wait for the daemon to exit."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None and os.path.ismount(self.mountpoint):
+            args = [sys.executable, "-m", "ucfs", "unmount", str(self.mountpoint)]
+            if not wait:
+                args.append("--no-wait")
+            subprocess.run(args, env=self.env(), cwd=REPO, capture_output=True, timeout=timeout)
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise RuntimeError(f"ucfs daemon did not exit after unmount:\n{self.log_tail()}")
+        self.proc = None
+        return code
+
+    def kill(self) -> None:
+        """SIGKILL the daemon (a crash) and clear the dead mount."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        self.proc = None
+        subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True)
+
+
+def make_catalog(endpoint: S3Endpoint, bucket: str, volumes: dict[str, dict]) -> str:
+    """Catalog TOML: volumes maps 'cat.schema.vol' -> {'prefix': ..., 'read_only': ..., ...}."""
+    lines = ["[stores.test]", f'endpoint_url = "{endpoint.url}"', f'region = "{endpoint.region}"', ""]
+    for name, v in volumes.items():
+        lines.append(f'[volumes."{name}"]')
+        lines.append(f'location = "s3://{bucket}/{v["prefix"]}"')
+        lines.append('store = "test"')
+        for k, val in v.items():
+            if k == "prefix":
+                continue
+            lines.append(f"{k} = {json.dumps(val)}")
+        lines.append("")
+    return "\n".join(lines)
