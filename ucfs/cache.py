@@ -24,12 +24,12 @@ from __future__ import annotations
 import collections
 import errno
 import hashlib
+import itertools
 import logging
 import os
 import stat
 import struct
 import threading
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,6 +98,12 @@ class BlockCache:
         self._pins: collections.Counter[str] = collections.Counter()
         self._scanned = threading.Event()
         self._stats = collections.Counter()
+        self._tmp_ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 20)
+        self._subdirs: set[str] = set()
+        # Free space is checked again after this many bytes were written (statvfs per block is waste).
+        self._free_checked_at = 0
+        self._free_cached = 0
+        self._written = 0
 
     # -- identity -------------------------------------------------------------------------------
     def _name(self, version: ObjectVersion, index: int) -> str:
@@ -231,9 +237,11 @@ class BlockCache:
         path = self._path(name)
         header = _HEADER.pack(_MAGIC, len(data), xxhash.xxh3_64_intdigest(data), index,
                               bytes.fromhex(version.digest[:32])).ljust(HEADER_BYTES, b"\0")
-        tmp = path.parent / f".tmp{uuid.uuid4().hex[:12]}"
+        tmp = path.parent / f".tmp{next(self._tmp_ids)}"
         try:
-            path.parent.mkdir(exist_ok=True, mode=0o700)
+            if name[:2] not in self._subdirs:
+                path.parent.mkdir(exist_ok=True, mode=0o700)
+                self._subdirs.add(name[:2])
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 os.writev(fd, [header, data])
@@ -256,6 +264,7 @@ class BlockCache:
             old = self._lru.pop(name, None)
             self._used -= old or 0  # _make_room already counted `size`
             self._lru[name] = size
+            self._written += size
         self._stats["puts"] += 1
         self._stats["put_bytes"] += len(data)
         return True
@@ -275,8 +284,12 @@ class BlockCache:
                     return False
 
     def _free_bytes(self) -> int:
-        st = os.statvfs(self.root)
-        return st.f_bavail * st.f_frsize
+        """Free space on the cache's disk, looked up again every 64 MiB written."""
+        if self._written - self._free_checked_at >= 64 << 20 or not self._free_cached:
+            st = os.statvfs(self.root)
+            self._free_cached = st.f_bavail * st.f_frsize
+            self._free_checked_at = self._written
+        return self._free_cached - (self._written - self._free_checked_at)
 
     def _evict_one(self) -> bool:
         with self._lock:

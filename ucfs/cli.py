@@ -105,7 +105,12 @@ def cmd_mount(args) -> int:
         raise UcfsError("/dev/fuse is missing: load the fuse module (modprobe fuse) or run where FUSE works")
     if args.foreground:
         _setup_logging(args.log_level, None)
-        _run_mount(catalog, cfg, opts, ready=lambda: log.info("ready"))
+        try:
+            _run_mount(catalog, cfg, opts, ready=lambda: log.info("ready"))
+        except BaseExceptionGroup as group:
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
         return 0
     return _daemonize(catalog, cfg, opts, args.log_level)
 
@@ -154,7 +159,12 @@ def _daemonize(catalog, cfg, opts, log_level: str) -> int:
         os.close(w)
 
     try:
-        _run_mount(catalog, cfg, opts, ready)
+        try:
+            _run_mount(catalog, cfg, opts, ready)
+        except BaseExceptionGroup as group:  # trio nurseries wrap errors; a single one speaks for itself
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
     except UcfsError as e:
         log.error("%s", e)
         _try_write(w, f"ucfs: {e}")
@@ -297,6 +307,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("mountpoint", nargs="?")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_status)
+
+    from . import bench  # light: boto3 is imported only when the bench runs
+
+    b = sub.add_parser("bench", help="measure the mount against direct store access (ceilings)",
+                       description="Compare a ucfs mount with direct boto3 access to the same store, in "
+                                   "one run, and print figures, ratios and targets.")
+    bench.add_arguments(b)
+    b.set_defaults(fn=bench.run)
 
     return p
 

@@ -43,8 +43,8 @@ from .aiostore import AsyncStore, run_disk
 from .cache import ObjectVersion, ensure_private_dir
 from .catalog import Volume
 from .config import MiB, MountConfig
-from .inodes import Inode, Kind
-from .journal import Journal, Record
+from .inodes import Inode
+from .journal import Journal
 from .store import MAX_OBJECT_BYTES, MAX_PARTS
 
 if TYPE_CHECKING:

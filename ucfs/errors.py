@@ -140,3 +140,6 @@ EXDEV = _errno.EXDEV
 EBADF = _errno.EBADF
 ENODATA = _errno.ENODATA
 EBUSY = _errno.EBUSY
+ENXIO = _errno.ENXIO
+EAGAIN = _errno.EAGAIN
+EDQUOT = _errno.EDQUOT

@@ -312,7 +312,12 @@ class S3Store:
                           Bucket=bucket, Key=key, UploadId=upload_id,
                           MultipartUpload={"Parts": [{"PartNumber": n, "ETag": f'"{e}"'}
                                                      for n, e in parts]})
-        return ObjectInfo(key, -1, _split_etag(resp.get("ETag")), time.time_ns())
+        etag = _split_etag(resp.get("ETag"))
+        if not etag:
+            # Some servers (Ceph RGW 16.2) answer an empty ETag here; the object has a real one,
+            # and cache identity needs it.
+            return self.head(bucket, key)
+        return ObjectInfo(key, -1, etag, time.time_ns())
 
     def abort_multipart(self, bucket: str, key: str, upload_id: str) -> None:
         try:

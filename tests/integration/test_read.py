@@ -1,0 +1,245 @@
+"""The read path through a real mount against a real S3 server (README "Semantics": Namespace, Reads).
+
+Objects are put with a separate boto3 client; the mount is checked with os, shutil and coreutils.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import errno
+import hashlib
+import os
+import random
+import subprocess
+import time
+
+import pytest
+
+from tests.support import server_gets, wait_until
+
+MiB = 1 << 20
+
+
+def put_many(s3, bucket, items: dict[str, bytes], threads: int = 32) -> None:
+    with concurrent.futures.ThreadPoolExecutor(threads) as ex:
+        list(ex.map(lambda kv: s3.put_object(Bucket=bucket, Key=kv[0], Body=kv[1]), items.items()))
+
+
+def test_synthetic_levels_list_only_registered_volumes(mount_factory, prefix):
+    m = mount_factory({"main.default.raw": {"prefix": f"{prefix}/a"},
+                       "main.default.clean": {"prefix": f"{prefix}/b"},
+                       "main.other.x": {"prefix": f"{prefix}/c"},
+                       "lab.s.y": {"prefix": f"{prefix}/d"}})
+    root = m.mountpoint
+    assert sorted(os.listdir(root)) == ["lab", "main"]
+    assert sorted(os.listdir(root / "main")) == ["default", "other"]
+    assert sorted(os.listdir(root / "main" / "default")) == ["clean", "raw"]
+    assert os.listdir(root / "main" / "default" / "raw") == []  # registered, still empty
+    for p in ["nope", "main/nope", "main/default/nope", "lab/default", "main/default/raw2"]:
+        with pytest.raises(FileNotFoundError):
+            os.stat(root / p)
+    # The synthetic levels are read-only.
+    with pytest.raises(OSError) as e:
+        os.mkdir(root / "main" / "newschema")
+    assert e.value.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def test_nested_and_empty_directories(mount, s3, bucket, prefix):
+    base = f"{prefix}/vol/"
+    put_many(s3, bucket, {base + "a/b/c/deep.txt": b"deep", base + "a/top.txt": b"top",
+                          base + "a/b/mid.txt": b"mid", base + "root.txt": b"root",
+                          base + "empty/": b""})  # a directory marker: an empty directory
+    v = mount.path()
+    assert sorted(os.listdir(v)) == ["a", "empty", "root.txt"]
+    assert sorted(os.listdir(v / "a")) == ["b", "top.txt"]
+    assert sorted(os.listdir(v / "a" / "b")) == ["c", "mid.txt"]
+    assert os.listdir(v / "empty") == []
+    assert (v / "a" / "b" / "c" / "deep.txt").read_bytes() == b"deep"
+    assert os.path.isdir(v / "a" / "b" / "c")
+    st = os.stat(v / "a" / "top.txt")
+    assert st.st_size == 3 and not os.path.isdir(v / "a" / "top.txt")
+    # ls -l and find agree with the store.
+    out = subprocess.run(["find", str(v), "-type", "f"], capture_output=True, text=True, check=True).stdout
+    assert sorted(p[len(str(v)) + 1:] for p in out.split()) == ["a/b/c/deep.txt", "a/b/mid.txt", "a/top.txt",
+                                                                 "root.txt"]
+
+
+def test_listing_past_one_page(mount, s3, bucket, prefix):
+    names = [f"f{i:05d}.bin" for i in range(2345)]
+    put_many(s3, bucket, {f"{prefix}/vol/big/{n}": n.encode() for n in names})
+    d = mount.path() / "big"
+    assert sorted(os.listdir(d)) == names
+    out = subprocess.run(["ls", "-l", str(d)], capture_output=True, text=True, check=True).stdout
+    assert len([line for line in out.splitlines() if line.startswith("-")]) == len(names)
+    assert (d / names[-1]).read_bytes() == names[-1].encode()
+
+
+def test_whole_ranged_and_random_offset_reads_match(mount, s3, bucket, prefix):
+    data = os.urandom(40 * MiB + 12345)
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/obj.bin", Body=data)
+    p = mount.path() / "obj.bin"
+    assert p.read_bytes() == data
+    rng = random.Random(1)
+    with open(p, "rb", buffering=0) as f:
+        for _ in range(200):
+            off = rng.randrange(0, len(data))
+            n = rng.choice([1, 17, 4096, 100_000, 3 * MiB])
+            assert os.pread(f.fileno(), n, off) == data[off:off + n]
+        assert os.pread(f.fileno(), 10, len(data)) == b""  # at EOF
+        assert os.pread(f.fileno(), 100, len(data) - 5) == data[-5:]
+    # dd with skip/count: a ranged read the way shell users do it.
+    out = subprocess.run(["dd", f"if={p}", "bs=4096", "skip=1000", "count=3", "status=none"],
+                         capture_output=True, check=True).stdout
+    assert out == data[4096 * 1000:4096 * 1003]
+
+
+def test_dd_and_cp_copy_byte_for_byte(mount, s3, bucket, prefix, tmp_path):
+    data = os.urandom(9 * MiB + 7)
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/d/x.bin", Body=data)
+    subprocess.run(["cp", str(mount.path() / "d" / "x.bin"), str(tmp_path / "copy")], check=True)
+    assert (tmp_path / "copy").read_bytes() == data
+    out = subprocess.run(["dd", f"if={mount.path() / 'd' / 'x.bin'}", "bs=1M", "status=none"],
+                         capture_output=True, check=True).stdout
+    assert out == data
+
+
+@pytest.mark.slow
+def test_large_object_sha256(mount, s3, bucket, prefix):
+    size = 256 * MiB + 3
+    h = hashlib.sha256()
+    chunk = os.urandom(8 * MiB)
+    mp = s3.create_multipart_upload(Bucket=bucket, Key=f"{prefix}/vol/large.bin")
+    parts, sent, n = [], 0, 1
+    while sent < size:
+        body = chunk[: min(len(chunk), size - sent)] if size - sent < len(chunk) else chunk
+        body = bytes([n % 256]) + body[1:]
+        h.update(body)
+        r = s3.upload_part(Bucket=bucket, Key=f"{prefix}/vol/large.bin", UploadId=mp["UploadId"],
+                           PartNumber=n, Body=body)
+        parts.append({"PartNumber": n, "ETag": r["ETag"]})
+        sent += len(body)
+        n += 1
+    s3.complete_multipart_upload(Bucket=bucket, Key=f"{prefix}/vol/large.bin", UploadId=mp["UploadId"],
+                                 MultipartUpload={"Parts": parts})
+    out = subprocess.run(["sha256sum", str(mount.path() / "large.bin")], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.split()[0] == h.hexdigest()
+    assert os.stat(mount.path() / "large.bin").st_size == size
+
+
+def test_reread_after_remount_makes_zero_gets(mount, s3, bucket, prefix, rgw):
+    data = os.urandom(30 * MiB)
+    small = {f"{prefix}/vol/s/{i}.bin": os.urandom(150 * 1024) for i in range(20)}
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/big.bin", Body=data)
+    put_many(s3, bucket, small)
+    v = mount.path()
+    assert (v / "big.bin").read_bytes() == data
+    for k, body in small.items():
+        assert (v / "s" / k.rsplit("/", 1)[1]).read_bytes() == body
+    assert mount.store_stats().get("get", 0) >= 21
+    mount.stop()
+    mount.start()
+    server_before = server_gets(rgw, bucket, prefix) if rgw is not None else None
+    assert (v / "big.bin").read_bytes() == data
+    for k, body in small.items():
+        assert (v / "s" / k.rsplit("/", 1)[1]).read_bytes() == body
+    assert mount.store_stats().get("get", 0) == 0  # every byte came from the disk cache
+    assert mount.status()["cache"]["hits"] >= 30 + 20
+    if rgw is not None:
+        assert server_gets(rgw, bucket, prefix) == server_before  # and the server agrees
+
+
+def test_remote_changes_are_seen_within_the_ttl(mount, s3, bucket, prefix):
+    key = f"{prefix}/vol/live.txt"
+    s3.put_object(Bucket=bucket, Key=key, Body=b"version one")
+    p = mount.path() / "live.txt"
+    assert p.read_bytes() == b"version one"
+    assert p.read_bytes() == b"version one"  # served by the kernel page cache now
+
+    # Overwritten elsewhere, same length: no stale bytes from any cache once the change is visible.
+    s3.put_object(Bucket=bucket, Key=key, Body=b"version two")
+    t0 = time.monotonic()
+    assert wait_until(lambda: p.read_bytes() == b"version two", timeout=5)
+    assert time.monotonic() - t0 <= 1.0 + 0.5  # TTL 1 s, plus scheduling slack
+
+    # Overwritten with a different size.
+    s3.put_object(Bucket=bucket, Key=key, Body=b"version three, longer")
+    assert wait_until(lambda: p.read_bytes() == b"version three, longer", timeout=3)
+
+    # Created elsewhere.
+    new = mount.path() / "new.txt"
+    assert not new.exists()
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/new.txt", Body=b"hello")
+    t0 = time.monotonic()
+    assert wait_until(new.exists, timeout=5)
+    assert time.monotonic() - t0 <= 1.5
+    assert "new.txt" in os.listdir(mount.path())
+
+    # Deleted elsewhere.
+    s3.delete_object(Bucket=bucket, Key=key)
+    t0 = time.monotonic()
+    assert wait_until(lambda: not p.exists(), timeout=5)
+    assert time.monotonic() - t0 <= 1.5
+    assert "live.txt" not in os.listdir(mount.path())
+    with pytest.raises(FileNotFoundError):
+        open(p, "rb")
+
+
+def test_open_handle_keeps_reading_its_version_from_cache(mount, s3, bucket, prefix):
+    """Close-to-open: a handle opened before a change finishes the version it opened."""
+    key = f"{prefix}/vol/v.bin"
+    old = os.urandom(3 * MiB)
+    s3.put_object(Bucket=bucket, Key=key, Body=old)
+    with open(mount.path() / "v.bin", "rb") as f:
+        head = f.read(MiB)
+        s3.put_object(Bucket=bucket, Key=key, Body=os.urandom(3 * MiB))
+        rest = f.read()  # the first read fetched the whole 3 MiB (read-ahead); it is that version's
+    assert head + rest == old
+
+
+def test_cache_stays_under_its_limit(mount_factory, s3, bucket, prefix):
+    limit = 64 * MiB
+    m = mount_factory(args=("--cache-size", str(limit)))
+    files = {f"{prefix}/vol/c/{i}.bin": os.urandom(16 * MiB) for i in range(8)}  # twice the limit
+    put_many(s3, bucket, files, threads=8)
+    for k, body in files.items():
+        assert (m.path() / "c" / k.rsplit("/", 1)[1]).read_bytes() == body
+    st = m.status()["cache"]
+    assert st["used_bytes"] <= limit
+    du = subprocess.run(["du", "-sb", str(m.state_dir / "cache")], capture_output=True, text=True,
+                        check=True).stdout
+    assert int(du.split()[0]) <= limit + 64 * 1024  # directories and the lock file
+    assert st["evicted"] > 0
+
+
+def test_unregistered_paths_do_not_exist(mount):
+    for p in ["other", "test/other", "test/s/other", "test/s/vol/../../x"]:
+        with pytest.raises(FileNotFoundError):
+            os.stat(mount.mountpoint / p)
+    with pytest.raises(FileNotFoundError):
+        open(mount.mountpoint / "test" / "s" / "nothere" / "f", "rb")
+
+
+def test_writes_into_a_read_only_volume_fail_with_erofs(mount_factory, s3, bucket, prefix):
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/ro/existing.txt", Body=b"keep me")
+    m = mount_factory({"test.s.ro": {"prefix": f"{prefix}/ro", "read_only": True}})
+    v = m.path("test.s.ro")
+    assert (v / "existing.txt").read_bytes() == b"keep me"
+    for action in (lambda: open(v / "existing.txt", "wb"), lambda: open(v / "existing.txt", "ab"),
+                   lambda: open(v / "new.txt", "wb"), lambda: os.mkdir(v / "d"),
+                   lambda: os.unlink(v / "existing.txt"),
+                   lambda: os.rename(v / "existing.txt", v / "moved.txt")):
+        with pytest.raises(OSError) as e:
+            action()
+        assert e.value.errno == errno.EROFS
+    r = subprocess.run(["touch", str(v / "t.txt")], capture_output=True, text=True)
+    assert r.returncode != 0 and "Read-only file system" in r.stderr
+    assert s3.get_object(Bucket=bucket, Key=f"{prefix}/ro/existing.txt")["Body"].read() == b"keep me"
+    listed = s3.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/ro/")
+    assert [o["Key"] for o in listed["Contents"]] == [f"{prefix}/ro/existing.txt"]
+
+
+def test_name_too_long_is_enametoolong(mount):
+    with pytest.raises(OSError) as e:
+        os.stat(mount.path() / ("x" * 256))
+    assert e.value.errno == errno.ENAMETOOLONG

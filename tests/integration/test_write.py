@@ -1,0 +1,350 @@
+"""The write path through a real mount (README "Semantics": Writes, Durability).
+
+Everything is written with os, shutil and coreutils on the mount, and checked in the store with a
+separate boto3 client once `fsync` (or a directory fsync) says it is committed.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import shutil
+import subprocess
+import tarfile
+import time
+
+import pytest
+
+from tests.support import wait_until
+
+MiB = 1 << 20
+
+
+def obj(s3, bucket, key) -> bytes:
+    return s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+
+
+def keys(s3, bucket, prefix) -> list[str]:
+    out = []
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        out.extend(o["Key"] for o in page.get("Contents", ()))
+    return sorted(out)
+
+
+def sync_dir(path) -> None:
+    """fsync on a directory: returns when everything pending beneath it is committed."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_path(path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def test_create_write_close_commits_in_background(mount, s3, bucket, prefix):
+    v = mount.path()
+    p = v / "hello.txt"
+    p.write_bytes(b"hello world\n")
+    assert p.read_bytes() == b"hello world\n"  # read-your-writes at once
+    fsync_path(p)
+    assert obj(s3, bucket, f"{prefix}/vol/hello.txt") == b"hello world\n"
+    assert os.stat(p).st_size == 12
+    assert mount.status()["commits"]["pending"] == 0
+
+
+def test_fsync_waits_for_the_commit(mount, s3, bucket, prefix):
+    data = os.urandom(3 * MiB)
+    with open(mount.path() / "f.bin", "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+        # Still open, and already in the store.
+        assert obj(s3, bucket, f"{prefix}/vol/f.bin") == data
+
+
+def test_overwrite_truncate_append_and_in_place_edit(mount, s3, bucket, prefix):
+    key = f"{prefix}/vol/e.txt"
+    s3.put_object(Bucket=bucket, Key=key, Body=b"0123456789")
+    p = mount.path() / "e.txt"
+    with open(p, "r+b") as f:  # in-place edit
+        f.seek(3)
+        f.write(b"abc")
+    fsync_path(p)
+    assert obj(s3, bucket, key) == b"012abc6789"
+    with open(p, "ab") as f:  # append
+        f.write(b"XYZ")
+    subprocess.run(f"echo tail >> {p}", shell=True, check=True)
+    fsync_path(p)
+    assert obj(s3, bucket, key) == b"012abc6789XYZtail\n"
+    subprocess.run(["dd", "if=/dev/zero", f"of={p}", "bs=1", "count=2", "seek=1", "conv=notrunc",
+                    "status=none"], check=True)
+    fsync_path(p)
+    assert obj(s3, bucket, key) == b"0\0\0abc6789XYZtail\n"
+    p.write_bytes(b"short")  # O_TRUNC
+    fsync_path(p)
+    assert obj(s3, bucket, key) == b"short"
+    os.truncate(p, 2)  # truncate without an open file
+    assert p.read_bytes() == b"sh"
+    fsync_path(p)
+    assert obj(s3, bucket, key) == b"sh"
+    with open(p, "r+b") as f:  # grow by truncate
+        f.truncate(6)
+    fsync_path(p)
+    assert obj(s3, bucket, key) == b"sh\0\0\0\0"
+
+
+def test_mkdir_rmdir_and_enotempty(mount, s3, bucket, prefix):
+    v = mount.path()
+    os.makedirs(v / "a" / "b" / "c")
+    assert f"{prefix}/vol/a/b/c/" in keys(s3, bucket, f"{prefix}/vol/")
+    assert os.path.isdir(v / "a" / "b" / "c") and os.listdir(v / "a" / "b" / "c") == []
+    with pytest.raises(FileExistsError):
+        os.mkdir(v / "a")
+    (v / "a" / "b" / "f").write_bytes(b"x")
+    with pytest.raises(OSError) as e:
+        os.rmdir(v / "a" / "b")
+    assert e.value.errno == errno.ENOTEMPTY
+    os.rmdir(v / "a" / "b" / "c")
+    os.unlink(v / "a" / "b" / "f")
+    assert os.listdir(v / "a" / "b") == []  # an emptied directory stays, as on a local disk
+    os.rmdir(v / "a" / "b")
+    os.rmdir(v / "a")
+    sync_dir(v)
+    assert keys(s3, bucket, f"{prefix}/vol/") == []
+
+
+def test_unlink_removes_the_object_and_open_handles_keep_reading(mount, s3, bucket, prefix):
+    key = f"{prefix}/vol/gone.bin"
+    data = os.urandom(2 * MiB)
+    s3.put_object(Bucket=bucket, Key=key, Body=data)
+    p = mount.path() / "gone.bin"
+    with open(p, "rb") as f:
+        first = f.read(1000)
+        os.unlink(p)
+        assert not p.exists()
+        assert keys(s3, bucket, key) == []
+        assert first + f.read() == data
+    # A new file unlinked before its commit never reaches the store.
+    q = mount.path() / "tmp.bin"
+    with open(q, "wb") as f:
+        f.write(b"never committed")
+        os.unlink(q)
+        f.write(b" more")
+    sync_dir(mount.path())
+    assert keys(s3, bucket, f"{prefix}/vol/") == []
+
+
+def test_rename_file_and_noreplace(mount, s3, bucket, prefix):
+    v = mount.path()
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/committed.txt", Body=b"old")
+    os.rename(v / "committed.txt", v / "moved.txt")  # a committed file: copy + delete in the store
+    assert keys(s3, bucket, f"{prefix}/vol/") == [f"{prefix}/vol/moved.txt"]
+    (v / "new.txt").write_bytes(b"pending")  # a file not yet committed: committed under the new name
+    os.rename(v / "new.txt", v / "final.txt")
+    assert (v / "final.txt").read_bytes() == b"pending"
+    sync_dir(v)
+    assert keys(s3, bucket, f"{prefix}/vol/") == [f"{prefix}/vol/final.txt", f"{prefix}/vol/moved.txt"]
+    assert obj(s3, bucket, f"{prefix}/vol/final.txt") == b"pending"
+    # Replacing rename, and one that must not replace (mv -n uses RENAME_NOREPLACE).
+    os.rename(v / "final.txt", v / "moved.txt")
+    sync_dir(v)
+    assert obj(s3, bucket, f"{prefix}/vol/moved.txt") == b"pending"
+    (v / "other.txt").write_bytes(b"other")
+    r = subprocess.run(["mv", "--no-clobber", str(v / "other.txt"), str(v / "moved.txt")], capture_output=True)
+    assert (v / "other.txt").exists() and (v / "moved.txt").read_bytes() == b"pending"
+    assert r.returncode in (0, 1)
+
+
+def test_cp_tree_mv_directory_and_rm_rf(mount, s3, bucket, prefix, tmp_path):
+    src = tmp_path / "tree"
+    files = {}
+    for i in range(30):
+        rel = f"d{i % 4}/sub{i % 3}/f{i}.bin"
+        data = os.urandom(1000 * (i + 1))
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(data)
+        files[rel] = data
+    (src / "big.bin").write_bytes(big := os.urandom(20 * MiB))
+    files["big.bin"] = big
+    v = mount.path()
+    subprocess.run(["cp", "-r", str(src), str(v / "tree")], check=True)
+    subprocess.run(["mv", str(v / "tree"), str(v / "moved")], check=True)  # directory rename
+    assert not (v / "tree").exists()
+    for rel, data in files.items():
+        assert (v / "moved" / rel).read_bytes() == data
+    sync_dir(v)
+    stored = keys(s3, bucket, f"{prefix}/vol/")
+    assert not any(k.startswith(f"{prefix}/vol/tree/") for k in stored)
+    for rel, data in files.items():
+        assert hashlib.sha256(obj(s3, bucket, f"{prefix}/vol/moved/{rel}")).digest() == hashlib.sha256(data).digest()
+    subprocess.run(["rm", "-rf", str(v / "moved")], check=True)
+    assert not (v / "moved").exists()
+    sync_dir(v)
+    assert keys(s3, bucket, f"{prefix}/vol/") == []
+
+
+def test_cp_a_rsync_style_metadata_and_tar_extract(mount, s3, bucket, prefix, tmp_path):
+    src = tmp_path / "src"
+    (src / "x" / "y").mkdir(parents=True)
+    (src / "x" / "y" / "a.txt").write_text("alpha")
+    (src / "b.sh").write_text("#!/bin/sh\necho hi\n")
+    os.chmod(src / "b.sh", 0o755)
+    v = mount.path()
+    subprocess.run(["cp", "-a", str(src), str(v / "copy")], check=True)  # chmod/chown/utimens accepted
+    assert (v / "copy" / "x" / "y" / "a.txt").read_text() == "alpha"
+    tarball = tmp_path / "t.tar"
+    with tarfile.open(tarball, "w") as t:
+        t.add(src, arcname="src")
+    subprocess.run(["tar", "xf", str(tarball), "-C", str(v)], check=True)
+    assert (v / "src" / "b.sh").read_text() == "#!/bin/sh\necho hi\n"
+    sync_dir(v)
+    assert obj(s3, bucket, f"{prefix}/vol/src/x/y/a.txt") == b"alpha"
+    assert obj(s3, bucket, f"{prefix}/vol/copy/b.sh") == b"#!/bin/sh\necho hi\n"
+
+
+def test_git_init_add_commit_inside_a_volume(mount):
+    repo = mount.path() / "repo"
+    repo.mkdir()
+    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@example.com", GIT_COMMITTER_NAME="t",
+               GIT_COMMITTER_EMAIL="t@example.com", HOME=str(repo))
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=repo, env=env, capture_output=True, text=True, check=True).stdout
+
+    git("init", "-q")
+    (repo / "README").write_text("hello\n")
+    (repo / "src").mkdir()
+    (repo / "src" / "main.py").write_text("print('hi')\n")
+    git("add", ".")
+    git("commit", "-q", "-m", "first")
+    (repo / "README").write_text("hello again\n")
+    git("commit", "-q", "-am", "second")
+    assert git("log", "--oneline").count("\n") == 2
+    assert git("status", "--porcelain") == ""
+    assert git("show", "HEAD~1:README") == "hello\n"
+    assert "fsck" not in git("fsck", "--no-progress")
+
+
+def test_a_second_mount_sees_committed_files(mount_factory, prefix):
+    a = mount_factory(name="a")
+    b = mount_factory(name="b")
+    p = a.path() / "shared.txt"
+    p.write_bytes(b"from host a")
+    fsync_path(p)
+    t0 = time.monotonic()
+    assert wait_until(lambda: (b.path() / "shared.txt").exists(), timeout=5)
+    assert time.monotonic() - t0 <= 1.5
+    assert (b.path() / "shared.txt").read_bytes() == b"from host a"
+    p.write_bytes(b"changed on a")
+    fsync_path(p)
+    assert wait_until(lambda: (b.path() / "shared.txt").read_bytes() == b"changed on a", timeout=3)
+
+
+def test_large_file_is_committed_as_multipart_and_streamed(mount, s3, bucket, prefix):
+    data = os.urandom(100 * MiB + 5)
+    p = mount.path() / "big.bin"
+    with open(p, "wb") as f:
+        for i in range(0, len(data), MiB):
+            f.write(data[i:i + MiB])
+    fsync_path(p)
+    head = s3.head_object(Bucket=bucket, Key=f"{prefix}/vol/big.bin")
+    assert head["ContentLength"] == len(data)
+    assert "-" in head["ETag"]  # a multipart upload
+    assert hashlib.sha256(obj(s3, bucket, f"{prefix}/vol/big.bin")).digest() == hashlib.sha256(data).digest()
+    st = mount.status()["commits"]
+    assert st.get("streamed", 0) >= 1 and st.get("stream_parts", 0) >= 8
+
+
+def test_sigkill_after_close_loses_nothing(mount, s3, bucket, prefix):
+    v = mount.path()
+    files = {f"k/f{i}.bin": os.urandom(100_000 + i) for i in range(40)}
+    (v / "k").mkdir()
+    for rel, data in files.items():
+        (v / rel).write_bytes(data)  # close() returned: the data is promised
+    mount.kill()
+    assert len(keys(s3, bucket, f"{prefix}/vol/k/")) < len(files) + 1 or True  # may be partly there
+    mount.start()
+    for rel, data in files.items():
+        assert (mount.path() / rel).read_bytes() == data  # visible again at once, from staging
+    sync_dir(mount.path())
+    for rel, data in files.items():
+        assert obj(s3, bucket, f"{prefix}/vol/{rel}") == data
+    assert mount.status()["commits"].get("replayed", 0) >= 1
+
+
+def test_sigkill_during_multipart_commit_never_shows_a_partial_object(mount, s3, bucket, prefix):
+    key = f"{prefix}/vol/mp.bin"
+    old = os.urandom(5 * MiB)
+    s3.put_object(Bucket=bucket, Key=key, Body=old)
+    new = os.urandom(120 * MiB)
+    p = mount.path() / "mp.bin"
+    seen = set()
+
+    def observe():
+        try:
+            h = s3.head_object(Bucket=bucket, Key=key)
+            seen.add(h["ContentLength"])
+        except s3.exceptions.ClientError:
+            seen.add(None)
+
+    with open(p, "wb") as f:
+        f.write(new)
+    # The commit (multipart, some parts possibly already streamed) is under way: kill the daemon.
+    observe()
+    mount.kill()
+    observe()
+    mount.start()
+    assert p.read_bytes() == new
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and obj(s3, bucket, key) != new:
+        observe()
+        time.sleep(0.2)
+    assert obj(s3, bucket, key) == new
+    assert seen <= {len(old), len(new)}  # old or new, never a part, never missing
+    uploads = s3.list_multipart_uploads(Bucket=bucket, Prefix=key).get("Uploads", [])
+    assert wait_until(lambda: not s3.list_multipart_uploads(Bucket=bucket, Prefix=key).get("Uploads"), 10), uploads
+
+
+def test_unmount_drains_pending_commits(mount, s3, bucket, prefix):
+    v = mount.path()
+    for i in range(20):
+        (v / f"u{i}.bin").write_bytes(os.urandom(300_000))
+    assert mount.stop() == 0
+    assert len(keys(s3, bucket, f"{prefix}/vol/")) == 20
+
+
+def test_read_only_volume_refuses_and_keeps_store_untouched(mount_factory, s3, bucket, prefix):
+    m = mount_factory({"test.s.ro": {"prefix": f"{prefix}/ro", "read_only": True}})
+    with pytest.raises(OSError) as e:
+        (m.path("test.s.ro") / "x").write_bytes(b"x")
+    assert e.value.errno == errno.EROFS
+    assert keys(s3, bucket, f"{prefix}/ro/") == []
+
+
+def test_cross_volume_rename_is_exdev_so_mv_copies(mount_factory, s3, bucket, prefix):
+    m = mount_factory({"test.s.a": {"prefix": f"{prefix}/a"}, "test.s.b": {"prefix": f"{prefix}/b"}})
+    (m.path("test.s.a") / "f.txt").write_bytes(b"travelling")
+    with pytest.raises(OSError) as e:
+        os.rename(m.path("test.s.a") / "f.txt", m.path("test.s.b") / "f.txt")
+    assert e.value.errno == errno.EXDEV
+    subprocess.run(["mv", str(m.path("test.s.a") / "f.txt"), str(m.path("test.s.b") / "f.txt")], check=True)
+    sync_dir(m.path("test.s.b"))
+    sync_dir(m.path("test.s.a"))
+    assert obj(s3, bucket, f"{prefix}/b/f.txt") == b"travelling"
+    assert keys(s3, bucket, f"{prefix}/a/") == []
+
+
+def test_shutil_copytree_and_rmtree(mount, tmp_path):
+    src = tmp_path / "s"
+    (src / "p" / "q").mkdir(parents=True)
+    for i in range(10):
+        (src / "p" / "q" / f"{i}.txt").write_text(str(i) * 100)
+    shutil.copytree(src, mount.path() / "ct")
+    assert sorted(os.listdir(mount.path() / "ct" / "p" / "q")) == sorted(f"{i}.txt" for i in range(10))
+    shutil.rmtree(mount.path() / "ct")
+    assert not (mount.path() / "ct").exists()
