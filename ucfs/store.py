@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import BinaryIO, Iterable, Protocol
 
-from . import errors
+from . import errors, s3http
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class S3Store:
     def __init__(self, *, endpoint_url: str | None = None, region: str | None = None,
                  profile: str | None = None, path_style: bool = True, concurrency: int = 64,
                  max_attempts: int = 5, connect_timeout_s: float = 5.0, read_timeout_s: float = 30.0,
-                 access_key: str | None = None, secret_key: str | None = None):
+                 access_key: str | None = None, secret_key: str | None = None, lean: bool = True):
         import boto3
         import botocore.config
 
@@ -176,6 +176,27 @@ class S3Store:
         self._client = session.client("s3", endpoint_url=endpoint_url, config=cfg, **kwargs)
         # Count every HTTP attempt, so statistics show retries (attempts - requests).
         self._client.meta.events.register("request-created.s3", self._count_attempt)
+        # GET and HEAD, the hot path of every read, go through the lean client (see s3http.py);
+        # it shares boto3's credentials, so rotation and instance roles work the same.
+        self._lean = None
+        if lean:
+            region_name = cfg.region_name
+            url = endpoint_url or f"https://s3.{region_name}.amazonaws.com"
+            creds = None if access_key and secret_key else session.get_credentials()
+
+            def credentials() -> s3http.Credentials:
+                if access_key and secret_key:
+                    return s3http.Credentials(access_key, secret_key)
+                if creds is None:
+                    raise errors.StoreError(errors.EACCES, "no AWS credentials found (environment, "
+                                            "profile or instance role)")
+                f = creds.get_frozen_credentials()
+                return s3http.Credentials(f.access_key, f.secret_key, f.token)
+
+            self._lean = s3http.LeanClient(
+                url, region=region_name, path_style=path_style or endpoint_url is not None,
+                credentials=credentials, pool_size=concurrency, timeout_s=read_timeout_s,
+                ca_bundle=session._session.get_config_variable("ca_bundle"))
 
     def _count_attempt(self, request, **_kwargs) -> None:
         self._counters.add("attempts")
@@ -195,7 +216,7 @@ class S3Store:
             meta = e.response.get("ResponseMetadata", {})
             code = str(err.get("Code", ""))
             status = int(meta.get("HTTPStatusCode", 0) or 0)
-            self._counters.add("errors")
+            self._counters.add("not_found" if status == 404 else "errors")
             raise errors.from_s3(code, status, str(err.get("Message", "")) or code,
                                  request_id=meta.get("RequestId", ""), key=key) from None
         except bex.NoCredentialsError:
@@ -220,19 +241,78 @@ class S3Store:
 
     # -- reads --------------------------------------------------------------------------------
     def head(self, bucket: str, key: str) -> ObjectInfo:
+        if self._lean is not None:
+            r = self._lean_request("head", "HEAD", bucket, key, {})
+            return ObjectInfo(key, int(r.headers.get("content-length", 0)), _split_etag(r.headers.get("etag")),
+                              s3http.http_mtime_ns(r.headers.get("last-modified")))
         resp = self._call("head", key, self._client.head_object, Bucket=bucket, Key=key)
         return self._info_from_head(key, resp)
 
     def get(self, bucket: str, key: str, start: int = 0, length: int | None = None, *,
             etag: str | None = None) -> tuple[bytes, ObjectInfo]:
+        """Bytes-like data (a bytearray on the lean path) and the object's info."""
+        if length == 0:
+            return b"", self.head(bucket, key)  # an empty range cannot be expressed in HTTP
+        if self._lean is None:
+            return self._get_boto(bucket, key, start, length, etag=etag)
+        headers = {}
+        if start or length is not None:
+            headers["range"] = f"bytes={start}-{'' if length is None else start + length - 1}"
+        if etag:
+            headers["if-match"] = f'"{etag}"'
+        r = self._lean_request("get", "GET", bucket, key, headers)
+        data = r.body
+        total = None
+        cr = r.headers.get("content-range", "")
+        if "/" in cr:
+            tail = cr.rsplit("/", 1)[1]
+            total = int(tail) if tail.isdigit() else None
+        if total is None:
+            total = len(data) if "range" not in headers else start + len(data)
+        if length is not None and len(data) != min(length, max(0, total - start)):
+            raise errors.connection_error(f"GET returned {len(data)} bytes for a {length}-byte range", key=key)
+        self._counters.add("get_bytes", len(data))
+        return data, ObjectInfo(key, total, _split_etag(r.headers.get("etag")),
+                                s3http.http_mtime_ns(r.headers.get("last-modified")))
+
+    def _lean_request(self, op: str, method: str, bucket: str, key: str, headers: dict) -> s3http.Response:
+        """One logical request with retries: transient failures (5xx, throttling, broken
+        connections) are retried with jittered exponential backoff, like botocore's standard mode."""
+        self._counters.add(op)
+        delay = 0.1
+        for attempt in range(1, self.max_attempts + 1):
+            self._counters.add("attempts")
+            try:
+                r = self._lean.request(method, bucket, key, headers)
+            except s3http.RETRYABLE as e:
+                err: errors.StoreError = errors.connection_error(f"store request failed: {e}", key=key)
+            else:
+                if r.status < 300:
+                    return r
+                if r.status in (304, 412):
+                    self._counters.add("errors")
+                    raise errors.StaleError(key)
+                code, msg, rid = s3http.parse_error(r.body)
+                if not code:  # HEAD answers carry no body
+                    code = {404: "NoSuchKey", 403: "AccessDenied"}.get(r.status, str(r.status))
+                err = errors.from_s3(code, r.status, msg or code, request_id=rid or r.headers.get(
+                    "x-amz-request-id", ""), key=key)
+            # A missing key is an answer, not a failure: count it apart so status shows real errors.
+            self._counters.add("not_found" if err.errno == errors.ENOENT else "errors")
+            if not err.transient or attempt == self.max_attempts:
+                raise err
+            log.debug("%s %s: %s; retrying (attempt %d)", method, key, err, attempt)
+            time.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, 5.0)
+        raise AssertionError("unreachable")
+
+    def _get_boto(self, bucket: str, key: str, start: int = 0, length: int | None = None, *,
+                  etag: str | None = None) -> tuple[bytes, ObjectInfo]:
         import botocore.exceptions as bex
         import urllib3.exceptions as uex
 
         kwargs: dict = {"Bucket": bucket, "Key": key}
         if start or length is not None:
-            if length == 0:
-                # An empty range cannot be expressed in HTTP; the caller wants no bytes.
-                return b"", self.head(bucket, key)
             end = "" if length is None else str(start + length - 1)
             kwargs["Range"] = f"bytes={start}-{end}"
         if etag:
