@@ -273,7 +273,7 @@ class ObjectReader:
 
     # -- fetching -----------------------------------------------------------------------------
     async def _fetch(self, run: list[_Block], from_cache: bool) -> None:
-        fetched: list[_Block] = []
+        fetched: list[tuple[list[_Block], memoryview]] = []
         with trio.CancelScope() as scope:
             # close() cancels what is still on its way; data that has arrived is cached regardless.
             self._cancel_scopes.add(scope)
@@ -282,11 +282,9 @@ class ObjectReader:
                     missing = await self._load_cached(run)
                     # Evicted or damaged since we looked: fetch those from the store.
                     for sub in _contiguous(missing):
-                        await self._get(sub)
-                        fetched.extend(sub)
+                        fetched.append((sub, await self._get(sub)))
                 else:
-                    await self._get(run)
-                    fetched = run
+                    fetched.append((run, await self._get(run)))
             except BaseException as e:  # Cancelled too: no waiter may hang, no budget may leak
                 self._abandon(run, e)
                 if isinstance(e, trio.Cancelled) or not isinstance(e, Exception):
@@ -294,7 +292,8 @@ class ObjectReader:
                 log.warning("read of %r failed: %s", self.key, e)
             finally:
                 self._cancel_scopes.discard(scope)
-        await self._cache_blocks(fetched)
+        for blocks, view in fetched:
+            await self._cache_run(blocks, view)
 
     def _abandon(self, run: list[_Block], e: BaseException) -> None:
         for blk in run:
@@ -321,7 +320,7 @@ class ObjectReader:
             self._ready(blk)
         return missing
 
-    async def _get(self, run: list[_Block]) -> None:
+    async def _get(self, run: list[_Block]) -> memoryview:
         start = run[0].index * self.B
         length = min((run[-1].index + 1) * self.B, self.size) - start
         self.gets += 1
@@ -335,19 +334,20 @@ class ObjectReader:
         for k, blk in enumerate(run):
             blk.data = view[k * self.B:(k + 1) * self.B]
             self._ready(blk)
+        return view
 
-    async def _cache_blocks(self, blocks: list[_Block]) -> None:
-        """Keep fetched blocks in the disk cache; their memory may go once they are there."""
-        for blk in blocks:
-            if blk.cached or blk.data is None:
-                continue
-            if self.cache is not None:
-                try:
-                    with trio.CancelScope(shield=True):
-                        await run_disk(self.cache.put_block, self.version, blk.index, blk.data)
-                except OSError as e:
-                    log.warning("could not write cache block of %r: %s", self.key, e)
-            self._cached(blk)
+    async def _cache_run(self, run: list[_Block], view: memoryview) -> None:
+        """Keep blocks fetched together in the disk cache, as one segment; their memory may go once
+        they are there."""
+        if self.cache is not None:
+            try:
+                with trio.CancelScope(shield=True):
+                    await run_disk(self.cache.put_blocks, self.version, run[0].index, view)
+            except OSError as e:
+                log.warning("could not write cache blocks of %r: %s", self.key, e)
+        for blk in run:
+            if not blk.cached:
+                self._cached(blk)
 
     def _ready(self, blk: _Block) -> None:
         blk.ready.set()

@@ -6,20 +6,25 @@ import os
 
 import pytest
 
-from ucfs.cache import BlockCache, ObjectVersion
+from ucfs.cache import HEADER_BYTES, LAYOUT, BlockCache, ObjectVersion
 from ucfs.errors import UcfsError
 
 MiB = 1 << 20
 
 
-def make(tmp_path, size=64 * MiB, floor=0):
+def make(tmp_path, size=64 * MiB, floor=0, scan=True):
     c = BlockCache(tmp_path / "c", size_bytes=size, free_floor_bytes=floor, block_bytes=MiB)
-    c.scan()
+    if scan:
+        c.scan()
     return c
 
 
 def v(key="k", etag="e1"):
     return ObjectVersion("s3:x", "bucket", key, etag)
+
+
+def seg_path(c, version, index):
+    return c._path(c._blocks[(version.digest, index)])
 
 
 def test_roundtrip_and_identity_includes_etag(tmp_path):
@@ -32,30 +37,59 @@ def test_roundtrip_and_identity_includes_etag(tmp_path):
     assert c.get_block(v(key="other"), 0) is None
 
 
+def test_a_segment_holds_consecutive_blocks(tmp_path):
+    c = make(tmp_path)
+    data = os.urandom(8 * MiB - 100)  # a part, its last block short
+    assert c.put_blocks(v(), 16, data)
+    for k in range(8):
+        assert c.get_block(v(), 16 + k) == data[k * MiB:(k + 1) * MiB]
+    assert c.get_block(v(), 24) is None and c.get_block(v(), 15) is None
+    assert c.statistics()["segments"] == 1 and c.statistics()["blocks"] == 8
+
+
 def test_damaged_block_is_detected_and_dropped(tmp_path):
     c = make(tmp_path)
-    data = os.urandom(MiB)
-    c.put_block(v(), 3, data)
-    path = c._path(c._name(v(), 3))
+    data = os.urandom(4 * MiB)
+    c.put_blocks(v(), 0, data)
+    path = seg_path(c, v(), 3)
     raw = bytearray(path.read_bytes())
-    raw[1000] ^= 0xFF
+    raw[HEADER_BYTES + 3 * MiB + 1000] ^= 0xFF  # a flipped bit in block 3
     path.write_bytes(bytes(raw))
     assert c.get_block(v(), 3) is None
-    assert not path.exists()
+    assert not path.exists()  # the damaged segment is gone; its blocks are fetched again
+    assert c.get_block(v(), 0) is None
     assert c.statistics()["corrupt"] == 1
 
 
-def test_truncated_block_is_detected(tmp_path):
+def test_header_damage_is_detected(tmp_path):
     c = make(tmp_path)
     c.put_block(v(), 0, os.urandom(MiB))
-    path = c._path(c._name(v(), 0))
-    with open(path, "r+b") as f:
-        f.truncate(MiB // 2)
+    path = seg_path(c, v(), 0)
+    raw = bytearray(path.read_bytes())
+    raw[40] ^= 0x01  # inside the identity hash
+    path.write_bytes(bytes(raw))
     assert c.get_block(v(), 0) is None
 
 
+def test_partial_last_block_round_trips(tmp_path):
+    c = make(tmp_path)
+    data = os.urandom(150 * 1024 + 7)  # not a multiple of the 4 KiB O_DIRECT unit
+    assert c.put_block(v(), 9, data)
+    assert c.get_block(v(), 9) == data
+    assert seg_path(c, v(), 9).stat().st_size == HEADER_BYTES + len(data)
+
+
+def test_truncated_segment_is_detected(tmp_path):
+    c = make(tmp_path)
+    c.put_blocks(v(), 0, os.urandom(2 * MiB))
+    path = seg_path(c, v(), 1)
+    with open(path, "r+b") as f:
+        f.truncate(HEADER_BYTES + MiB + MiB // 2)
+    assert c.get_block(v(), 1) is None
+
+
 def test_size_limit_holds_and_evicts_least_recently_used(tmp_path):
-    c = make(tmp_path, size=8 * MiB + 8 * 4096 * 2)
+    c = make(tmp_path, size=8 * (MiB + HEADER_BYTES))
     for i in range(8):
         assert c.put_block(v(), i, os.urandom(MiB))
     c.get_block(v(), 0)  # block 0 is now the most recent
@@ -63,12 +97,12 @@ def test_size_limit_holds_and_evicts_least_recently_used(tmp_path):
     assert c.statistics()["used_bytes"] <= c.size_bytes
     assert c.contains(v(), 0)
     assert not c.contains(v(), 1)  # the least recently used went first
-    on_disk = sum(f.stat().st_size for f in (tmp_path / "c").rglob("*") if f.is_file() and f.name != "lock")
+    on_disk = sum(f.stat().st_size for f in (tmp_path / "c").rglob("*") if f.is_file())
     assert on_disk <= c.size_bytes
 
 
 def test_pinned_versions_are_not_evicted(tmp_path):
-    c = make(tmp_path, size=4 * MiB + 4 * 4096 * 2)
+    c = make(tmp_path, size=4 * (MiB + HEADER_BYTES))
     c.pin(v("open"))
     for i in range(3):
         c.put_block(v("open"), i, os.urandom(MiB))
@@ -81,24 +115,27 @@ def test_pinned_versions_are_not_evicted(tmp_path):
     assert not c.contains(v("open"), 0)
 
 
-def test_index_survives_a_new_instance(tmp_path):
+def test_index_is_usable_before_the_background_scan(tmp_path):
     c = make(tmp_path)
-    data = os.urandom(MiB)
-    c.put_block(v(), 0, data)
-    c2 = BlockCache(tmp_path / "c", size_bytes=64 * MiB, free_floor_bytes=0, block_bytes=MiB)
-    # Usable before the background scan has run: the mount never waits for the index.
-    assert c2.get_block(v(), 0) == data
+    data = os.urandom(3 * MiB)
+    c.put_blocks(v(), 0, data)
+    c.put_block(v("other"), 0, b"x" * 100)
+    c2 = make(tmp_path, scan=False)
+    # The mount never waits for the index: a lookup loads just its own subdirectory.
+    assert c2.get_block(v(), 2) == data[2 * MiB:]
+    assert c2.statistics()["index_loaded"] == 0
     c2.scan()
-    assert c2.statistics()["blocks"] == 1
+    st = c2.statistics()
+    assert st["index_loaded"] == 1 and st["segments"] == 2 and st["blocks"] == 4
 
 
-def test_half_written_blocks_are_removed_by_the_scan(tmp_path):
+def test_half_written_segments_are_removed_by_the_scan(tmp_path):
     c = make(tmp_path)
     c.put_block(v(), 0, os.urandom(MiB))
-    sub = next(p for p in (tmp_path / "c" / "v1").iterdir() if p.is_dir())
-    (sub / ".tmpdeadbeef").write_bytes(b"partial")
-    BlockCache(tmp_path / "c", size_bytes=64 * MiB, free_floor_bytes=0, block_bytes=MiB).scan()
-    assert not (sub / ".tmpdeadbeef").exists()
+    sub = next(p for p in (tmp_path / "c" / LAYOUT).iterdir() if p.is_dir())
+    (sub / ".tmp12345").write_bytes(b"partial")
+    make(tmp_path)
+    assert not (sub / ".tmp12345").exists()
 
 
 def test_refuses_a_directory_others_can_write(tmp_path):
