@@ -349,8 +349,12 @@ class Committer:
 
     # -- close / fsync ----------------------------------------------------------------------------
     async def flush(self, s: Staged) -> None:
-        """close(): make the data durable locally, record it, queue the commit. Reports a permanent
-        failure of an earlier commit of this file."""
+        """close(): make the data durable locally and record it. Reports a permanent failure of an
+        earlier commit of this file.
+
+        The commit is queued when the last writer lets go (release), not here: FUSE flushes on every
+        close() of every descriptor, and a shell's `> file` closes a dup of the file before writing to
+        it, so committing at each flush would publish an empty object first and upload twice."""
         if s.dropped:
             return
         if s.generation > s.flushed_generation and s.dirty:
@@ -365,7 +369,8 @@ class Committer:
             s.flushed_generation = max(s.flushed_generation, gen)
             if s.error is not None and s.error.errno != errors.ENOSPC:
                 s.error = None  # new data: try again
-            self._enqueue(s)
+            if s.writers == 0:
+                self._enqueue(s)
         if s.error is not None:
             raise s.error
 
@@ -402,8 +407,8 @@ class Committer:
         s.handles -= 1
         if h.writable:
             s.writers -= 1
-        if s.writers == 0 and s.stream is not None and s.dirty and s.flushed_generation >= 0:
-            self._enqueue(s)  # its commit waited for the last writer to finish the stream
+        if s.writers == 0 and s.dirty and s.flushed_generation >= 0:
+            self._enqueue(s)  # the last writer is done: commit what close() made durable
         self._maybe_retire(s)
 
     # -- the queue ------------------------------------------------------------------------------
@@ -412,11 +417,12 @@ class Committer:
             return
         s.queued = True
         self._queue[id(s)] = s
+        # Wake every idle worker; the ones that find the queue empty again wait on the new event.
         self._queue_event.set()
+        self._queue_event = trio.Event()
 
     async def _next(self) -> Staged:
         while not self._queue:
-            self._queue_event = trio.Event()
             await self._queue_event.wait()
         _, s = self._queue.popitem(last=False)
         s.queued = False

@@ -76,6 +76,16 @@ class Caller:
         return self._groups
 
 
+class _Shared:
+    """One store request in flight whose answer several callers wait for."""
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.ok = False
+        self.result: Any = None
+        self.error: Exception | None = None
+
+
 @dataclass(eq=False)
 class DirHandle:
     inode: Inode
@@ -108,6 +118,7 @@ class Core:
         self._handles: dict[int, FileHandle | DirHandle] = {}
         self._next_fh = itertools.count(1)
         self._nursery: trio.Nursery | None = None
+        self._probes: dict[tuple[str, str], _Shared] = {}
         self.committer = None  # set by mount when writes are enabled (commit.Committer)
 
     def attach(self, nursery: trio.Nursery) -> None:
@@ -247,7 +258,32 @@ class Core:
         return parent.hot_lookups >= n // 1000 + 1
 
     async def _probe(self, vol: Volume, key: str) -> Entry | None:
-        """What `key` is in the store: a directory (anything under key/), a file, or nothing."""
+        """What `key` is in the store: a directory (anything under key/), a file, or nothing.
+
+        Concurrent probes of one key share one pair of requests (64 parallel copies that all
+        look up the same directory cost one probe, not 64)."""
+        ident = (vol.full_name, key)
+        while (shared := self._probes.get(ident)) is not None:
+            await shared.done.wait()
+            if shared.error is not None:
+                raise shared.error
+            if shared.ok:
+                return shared.result
+            # Its owner was cancelled before an answer came: ask again.
+        shared = _Shared()
+        self._probes[ident] = shared
+        try:
+            shared.result = await self._probe_store(vol, key)
+            shared.ok = True
+            return shared.result
+        except Exception as e:
+            shared.error = e
+            raise
+        finally:
+            del self._probes[ident]
+            shared.done.set()
+
+    async def _probe_store(self, vol: Volume, key: str) -> Entry | None:
         store = self.store_for(vol)
         self.stats["probes"] += 1
         result: dict[str, object] = {}
