@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ucfs import control
+from ucfs.errors import UcfsError
 from ucfs.testing.rgw import RGWServer, S3Endpoint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -85,7 +87,7 @@ class Mount:
                 try:
                     self.status()
                     return self
-                except OSError:
+                except (OSError, UcfsError):
                     pass
             time.sleep(0.05)
         raise RuntimeError(f"ucfs mount not ready after {timeout} s:\n{self.log_tail()}")
@@ -97,7 +99,7 @@ class Mount:
             return "(no log)"
 
     def status(self) -> dict:
-        return json.loads(os.getxattr(self.mountpoint, "user.ucfs.status"))
+        return control.query(self.mountpoint, "status")
 
     def store_stats(self) -> dict:
         stores = self.status()["stores"]

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-from . import __version__
+from . import __version__, control
 from .config import MiB, MountConfig, parse_size
 from .errors import UcfsError
 
@@ -445,14 +445,14 @@ class BenchMount:
             if self.proc.poll() is not None:
                 raise BenchError(f"ucfs mount exited with status {self.proc.returncode}: {self.log_tail(5)}")
             if os.path.ismount(self.mountpoint):
-                with contextlib.suppress(OSError):
+                with contextlib.suppress(OSError, UcfsError):
                     self.status()
                     return self
             time.sleep(0.05)
         raise BenchError(f"ucfs mount not ready after {timeout_s:.0f} s: {self.log_tail(5)}")
 
     def status(self) -> dict:
-        return json.loads(os.getxattr(self.mountpoint, "user.ucfs.status"))
+        return control.query(self.mountpoint, "status")
 
     def requests(self) -> dict[str, int]:
         """Store counters of all the mount's stores, summed."""

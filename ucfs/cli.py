@@ -195,12 +195,9 @@ def _ucfs_mounts() -> list[str]:
 
 
 def read_status(mountpoint: str) -> dict:
-    try:
-        raw = os.getxattr(mountpoint, "user.ucfs.status")
-    except OSError as e:
-        raise UcfsError(f"{mountpoint}: not a ucfs mount or the daemon is not answering "
-                        f"({e.strerror})") from None
-    return json.loads(raw)
+    from .control import query
+
+    return query(mountpoint, "status")
 
 
 def cmd_unmount(args) -> int:

@@ -8,7 +8,6 @@ logged with its traceback and becomes `EIO`, because an exception escaping a han
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import stat
@@ -21,10 +20,6 @@ from . import errors
 from .core import Attributes, Caller, Core
 
 log = logging.getLogger(__name__)
-
-# Extended attributes on the mount's root that report the daemon's state (`ucfs status` reads them).
-XATTR_STATUS = b"user.ucfs.status"
-
 
 def _translate(fn: Callable) -> Callable:
     @functools.wraps(fn)
@@ -223,12 +218,16 @@ class Operations(pyfuse3.Operations):
             setattr(s, k, v)
         return s
 
-    @_translate
+    # No extended attributes: refusing getxattr with ENOSYS once makes the kernel stop asking, which
+    # spares `ls -l` two round trips per entry (security.selinux, system.posix_acl_access).
     async def getxattr(self, inode, name, ctx):
-        if inode == pyfuse3.ROOT_INODE and name == XATTR_STATUS:
-            return json.dumps(self.core.statistics(), default=str).encode()
-        raise pyfuse3.FUSEError(errors.ENODATA)
+        raise pyfuse3.FUSEError(errors.ENOSYS)
 
-    @_translate
     async def listxattr(self, inode, ctx):
-        return [XATTR_STATUS] if inode == pyfuse3.ROOT_INODE else []
+        raise pyfuse3.FUSEError(errors.ENOSYS)
+
+    async def setxattr(self, inode, name, value, ctx):
+        raise pyfuse3.FUSEError(errors.ENOSYS)
+
+    async def removexattr(self, inode, name, ctx):
+        raise pyfuse3.FUSEError(errors.ENOSYS)

@@ -21,7 +21,7 @@ from typing import Callable
 import pyfuse3
 import trio
 
-from . import errors
+from . import control, errors
 from .aiostore import AsyncStore
 from .cache import BlockCache, ensure_private_dir
 from .commit import Committer
@@ -205,6 +205,7 @@ async def serve(catalog: Catalog, cfg: MountConfig, opts: MountOptions,
             nursery.start_soon(trio.to_thread.run_sync, cache.scan)
             await nursery.start(committer.run)
             core.committer = committer
+            await nursery.start(control.serve, mountpoint, {"status": core.statistics})
             options = {"fsname=ucfs", "subtype=ucfs", "noatime"}
             if cfg.allow_other:
                 options.add("allow_other")
