@@ -89,6 +89,14 @@ def _mount_config(args) -> MountConfig:
         kw["metadata_ttl_s"] = args.metadata_ttl
     if args.allow_other:
         kw["allow_other"] = True
+    if args.min_free:
+        kw["cache_free_floor_bytes"] = parse_size(args.min_free)
+    if args.memory_budget:
+        kw["readahead_budget_bytes"] = parse_size(args.memory_budget)
+    if args.store_timeout is not None:
+        kw["store_read_timeout_s"] = args.store_timeout
+    if args.metrics_port:
+        kw["metrics_port"] = args.metrics_port
     return MountConfig(**kw)
 
 
@@ -238,17 +246,30 @@ def cmd_status(args) -> int:
     if not mounts:
         print("no ucfs mounts")
         return 0
+    failed = 0
     for mnt in mounts:
-        st = read_status(mnt)
+        try:
+            st = read_status(mnt)
+        except UcfsError as e:
+            print(f"ucfs: {e}", file=sys.stderr)
+            failed += 1
+            continue
         if args.json:
             print(json.dumps({mnt: st}, indent=2))
             continue
         print(format_status(mnt, st))
-    return 0
+    return 1 if failed else 0
 
 
 def format_status(mnt: str, st: dict) -> str:
     lines = [f"{mnt}"]
+    rates = st.get("throughput_bytes_per_s") or {}
+    if rates:
+        lines.append(f"  throughput (last 10 s): read {rates.get('read', 0) / 2**20:.1f} MiB/s, "
+                     f"written {rates.get('written', 0) / 2**20:.1f} MiB/s")
+    if "loop_max_stall_ms" in st:
+        lines.append(f"  event loop: longest stall {st['loop_max_stall_ms']} ms, "
+                     f"{st.get('loop_stalls_over_100ms', 0)} over 100 ms")
     c = st.get("cache") or {}
     if c:
         hits, misses = c.get("hits", 0), c.get("misses", 0)
@@ -288,6 +309,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--cache-size", help="largest size of the block cache, e.g. 20G (default 10G)")
     m.add_argument("--metadata-ttl", type=float, help="seconds metadata is trusted (default 1)")
     m.add_argument("--allow-other", action="store_true", help="let other users in (grants still apply)")
+    m.add_argument("--min-free", help="keep at least this much free on the cache disk (default 1G)")
+    m.add_argument("--memory-budget", help="file data held in memory, read-ahead and uploads (default 512M)")
+    m.add_argument("--store-timeout", type=float, help="seconds before a silent store request is retried "
+                   "(default 30)")
+    m.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
     m.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground, log to stderr")
     m.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "trace"])
     m.add_argument("--no-drain", action="store_true",

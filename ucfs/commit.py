@@ -80,6 +80,21 @@ class _Changed(Exception):
     """The file changed while it was being committed; commit it again later."""
 
 
+def _representative(group: BaseExceptionGroup) -> BaseException:
+    """The one failure of parallel part uploads that decides what happens next: a change of the
+    file first (commit again), then a store error (retry or report), else the group itself."""
+    changed, rest = group.split(_Changed)
+    if changed is not None:
+        return _Changed()
+    stores, rest = group.split(errors.StoreError)
+    if stores is not None:
+        leaf = stores
+        while isinstance(leaf, BaseExceptionGroup):
+            leaf = leaf.exceptions[0]
+        return leaf
+    return group
+
+
 @dataclass(eq=False)
 class Stream:
     """A multipart upload that runs while the file is being written front to back."""
@@ -487,13 +502,20 @@ class Committer:
         else:
             self._invalidate_stream(s, "committing whole")
             if s.size <= SINGLE_PUT_MAX_BYTES:
-                async with s.lock:
-                    gen = s.generation
-                    size = s.size
-                    data = await run_disk(os.pread, s.fd, size, 0)
-                if len(data) != size:
-                    raise errors.StoreError(errors.EIO, "staging file shorter than recorded", transient=True)
-                info = await store.put(vol.bucket, key, data, size)
+                budget = self.core.budget
+                reserved = s.size
+                await budget.reserve(reserved)
+                try:
+                    async with s.lock:
+                        gen = s.generation
+                        size = s.size
+                        data = await run_disk(os.pread, s.fd, size, 0)
+                    if len(data) != size:
+                        raise errors.StoreError(errors.EIO, "staging file shorter than recorded",
+                                                transient=True)
+                    info = await store.put(vol.bucket, key, data, size)
+                finally:
+                    budget.release(reserved)
             else:
                 info = await self._multipart(s, store, key)
         # Published. Record it before anything else can look.
@@ -555,19 +577,22 @@ class Committer:
 
             async def one(n: int, off: int, length: int) -> None:
                 async with sem, self._part_slots:
-                    async with s.lock:
-                        if s.generation != gen:
-                            raise _Changed()
-                        data = await run_disk(os.pread, s.fd, length, off)
-                    self.core.budget.force_reserve(length)
+                    await self.core.budget.reserve(length)
                     try:
+                        async with s.lock:
+                            if s.generation != gen:
+                                raise _Changed()
+                            data = await run_disk(os.pread, s.fd, length, off)
                         parts[n] = await store.upload_part(vol.bucket, key, upload_id, n, data, length)
                     finally:
                         self.core.budget.release(length)
 
-            async with trio.open_nursery() as nursery:
-                for n, off, length in ranges:
-                    nursery.start_soon(one, n, off, length)
+            try:
+                async with trio.open_nursery() as nursery:
+                    for n, off, length in ranges:
+                        nursery.start_soon(one, n, off, length)
+            except BaseExceptionGroup as group:
+                raise _representative(group) from None
             async with s.lock:
                 if s.generation != gen:
                     raise _Changed()
@@ -641,7 +666,7 @@ class Committer:
             if not st.valid or st.upload_id is None:
                 return
             async with self._part_slots:
-                self.core.budget.force_reserve(length)
+                await self.core.budget.reserve(length)
                 try:
                     data = await run_disk(os.pread, s.fd, length, off)
                     delay = RETRY_FIRST_S

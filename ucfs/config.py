@@ -51,8 +51,8 @@ class MountConfig:
     # ~1 GB/s even with 10-30 ms of store latency (bandwidth-delay product is far below this).
     readahead_max_bytes: int = 128 * MiB
 
-    # One budget for all in-flight read-ahead data of all handles: many open files share it, so memory
-    # stays bounded however many files are streamed at once.
+    # One budget for file data in memory: read-ahead of all handles and the buffers of uploads. Many
+    # open files share it, so memory stays bounded however many files are streamed at once.
     readahead_budget_bytes: int = 512 * MiB
 
     # Requests to the store in flight at once (threads and pooled connections). 64 lets a 64-way
@@ -90,6 +90,9 @@ class MountConfig:
 
     # Let users other than the mounting one see the mount (they still need grants).
     allow_other: bool = False
+
+    # Serve Prometheus metrics on 127.0.0.1 at this port (0: off). Loopback only: metrics name paths.
+    metrics_port: int = 0
 
     def __post_init__(self) -> None:
         if self.block_bytes <= 0 or self.part_bytes % self.block_bytes:

@@ -21,7 +21,7 @@ from typing import Callable
 import pyfuse3
 import trio
 
-from . import control, errors
+from . import control, errors, telemetry
 from .aiostore import AsyncStore
 from .cache import BlockCache, ensure_private_dir
 from .commit import Committer
@@ -205,7 +205,22 @@ async def serve(catalog: Catalog, cfg: MountConfig, opts: MountOptions,
             nursery.start_soon(trio.to_thread.run_sync, cache.scan)
             await nursery.start(committer.run)
             core.committer = committer
-            await nursery.start(control.serve, mountpoint, {"status": core.statistics})
+            watchdog = telemetry.LoopWatchdog()
+            rates = telemetry.RateSampler(lambda: _byte_totals(core))
+            nursery.start_soon(watchdog.run)
+            nursery.start_soon(rates.run)
+
+            def status() -> dict:
+                out = core.statistics()
+                out.update(watchdog.statistics())
+                out["throughput_bytes_per_s"] = rates.rates()
+                out["mountpoint"] = str(mountpoint)
+                return out
+
+            await nursery.start(control.serve, mountpoint, {"status": status})
+            if cfg.metrics_port:
+                port = await nursery.start(telemetry.serve_metrics, cfg.metrics_port, status)
+                log.info("metrics at http://127.0.0.1:%d/metrics", port)
             options = {"fsname=ucfs", "subtype=ucfs", "noatime"}
             if cfg.allow_other:
                 options.add("allow_other")
@@ -226,6 +241,15 @@ async def serve(catalog: Catalog, cfg: MountConfig, opts: MountOptions,
             nursery.cancel_scope.cancel()
     finally:
         lock.release()
+
+
+def _byte_totals(core: Core) -> dict[str, int]:
+    totals = {"read": 0, "written": 0}
+    for s in core.stores.values():
+        st = s.store.statistics()
+        totals["read"] += st.get("get_bytes", 0)
+        totals["written"] += st.get("put_bytes", 0)
+    return totals
 
 
 async def _watch_signals() -> None:

@@ -52,12 +52,15 @@ IDLE_RECLAIM_S = 2.0
 
 
 class MemoryBudget:
-    """Bytes of file data held in memory by all handles together (read-ahead and reads in flight)."""
+    """Bytes of file data held in memory by the whole daemon: read-ahead, reads in flight, and the
+    buffers of uploads (parts, small files). One budget for both, so many readers and writers
+    together still fit the host (README "Semantics": bounded resources)."""
 
     def __init__(self, capacity_bytes: int):
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
         self.peak_bytes = 0
+        self._released = trio.Event()
         # Ready blocks nobody has read yet, oldest first: (reader, index) -> time they became idle.
         self._idle: collections.OrderedDict[tuple["ObjectReader", int], float] = collections.OrderedDict()
         self.reclaimed = 0
@@ -76,6 +79,16 @@ class MemoryBudget:
             self._reclaim(self.used_bytes + n - self.capacity_bytes)
         self._take(n)
 
+    async def reserve(self, n: int) -> None:
+        """Reserve for work that can wait (uploads): wait until it fits. Something always fits when
+        nothing else is reserved, so a single large request cannot wait forever."""
+        while self.used_bytes + n > self.capacity_bytes and self.used_bytes > 0:
+            self._reclaim(self.used_bytes + n - self.capacity_bytes)
+            if self.used_bytes + n <= self.capacity_bytes:
+                break
+            await self._released.wait()
+        self._take(n)
+
     def _take(self, n: int) -> None:
         self.used_bytes += n
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
@@ -83,6 +96,8 @@ class MemoryBudget:
     def release(self, n: int) -> None:
         self.used_bytes -= n
         assert self.used_bytes >= 0, "memory budget released more than reserved"
+        self._released.set()
+        self._released = trio.Event()
 
     def mark_idle(self, reader: "ObjectReader", index: int) -> None:
         self._idle[(reader, index)] = time.monotonic()

@@ -301,7 +301,10 @@ class S3Store:
             self._counters.add("not_found" if err.errno == errors.ENOENT else "errors")
             if not err.transient or attempt == self.max_attempts:
                 raise err
-            log.debug("%s %s: %s; retrying (attempt %d)", method, key, err, attempt)
+            # Louder as it repeats: one retry is routine, several in a row are worth an operator's eye.
+            level = logging.INFO if attempt == 1 else logging.WARNING if attempt < 4 else logging.ERROR
+            log.log(level, "%s %s: %s; retrying (attempt %d of %d)", method, key, err, attempt,
+                    self.max_attempts)
             time.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, 5.0)
         raise AssertionError("unreachable")
