@@ -33,8 +33,10 @@ class AsyncStore:
         return await self._run(self.store.head, bucket, key)
 
     async def get(self, bucket: str, key: str, start: int = 0, length: int | None = None, *,
-                  etag: str | None = None) -> tuple[bytes, ObjectInfo]:
-        return await self._run(self.store.get, bucket, key, start, length, etag=etag)
+                  etag: str | None = None, into: bytearray | None = None) -> tuple[bytes, ObjectInfo]:
+        if into is None:
+            return await self._run(self.store.get, bucket, key, start, length, etag=etag)
+        return await self._run(self.store.get, bucket, key, start, length, etag=etag, into=into)
 
     async def list_page(self, bucket: str, prefix: str, *, delimiter: str = "/",
                         token: str | None = None, max_keys: int = 1000) -> ListPage:

@@ -31,7 +31,7 @@ from .cache import BlockCache, ObjectVersion
 from .catalog import Catalog, Volume
 from .config import MountConfig
 from .inodes import Entry, Inode, InodeTable, Kind, Listing
-from .prefetch import MemoryBudget, ObjectReader
+from .prefetch import BufferPool, MemoryBudget, ObjectReader
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,7 @@ class Core:
         self.gid = os.getgid() if gid is None else gid
         self.inodes = InodeTable()
         self.budget = MemoryBudget(cfg.readahead_budget_bytes)
+        self.pool = BufferPool(cfg.part_bytes, self.budget)
         self.stats: collections.Counter[str] = collections.Counter()
         self.started_ns = time.time_ns()
         self._handles: dict[int, FileHandle | DirHandle] = {}
@@ -555,7 +556,7 @@ class Core:
             assert vol is not None and self._nursery is not None
             h.reader = ObjectReader(store=self.store_for(vol), bucket=vol.bucket, key=h.version.key,
                                     version=h.version, size=h.size, cache=self.cache, budget=self.budget,
-                                    cfg=self.cfg, nursery=self._nursery, stats=self.stats)
+                                    cfg=self.cfg, nursery=self._nursery, stats=self.stats, pool=self.pool)
         self.stats["reads"] += 1
         try:
             return await h.reader.read(off, size)
@@ -901,6 +902,7 @@ class Core:
                      "readahead_bytes": self.budget.used_bytes,
                      "readahead_peak_bytes": self.budget.peak_bytes,
                      "readahead_budget_bytes": self.budget.capacity_bytes,
+                     "buffers_reused": self.pool.reused, "buffers_discarded": self.pool.discarded,
                      "open_handles": len(self._handles)}
         out["stores"] = {name: s.store.statistics() for name, s in self.stores.items()}
         if self.cache is not None:

@@ -43,7 +43,7 @@ class Credentials:
 class Response:
     status: int
     headers: dict[str, str]  # lower-case names
-    body: bytearray | bytes
+    body: bytearray | bytes | memoryview
 
 
 class HTTPFailure(Exception):
@@ -139,9 +139,10 @@ class LeanClient:
             conn.close()
 
     def request(self, method: str, bucket: str, key: str, headers: dict[str, str] | None = None,
-                expected_length: int | None = None) -> Response:
-        """One request; the whole body is read (into a single preallocated buffer when its length is
-        known). Raises HTTPFailure when the connection breaks; HTTP errors come back as responses."""
+                into: bytearray | None = None) -> Response:
+        """One request; the whole body is read (into a single buffer when its length is known: `into`
+        if it is large enough and the answer is a success, else a new one). Raises HTTPFailure when
+        the connection breaks; HTTP errors come back as responses."""
         path = (f"{self.base_path}/{bucket}/{key}" if self.path_style else f"{self.base_path}/{key}")
         path = uri_encode_path(path)
         hdrs = self.signer.headers(method, self._host_header(bucket), path, "", self.credentials())
@@ -160,7 +161,10 @@ class LeanClient:
                 if length is None:
                     body = resp.read()
                 else:
-                    body = bytearray(length)
+                    if into is not None and resp.status < 300 and len(into) >= length:
+                        body = memoryview(into)[:length]
+                    else:
+                        body = bytearray(length)
                     view = memoryview(body)
                     got = 0
                     while got < length:

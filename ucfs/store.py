@@ -63,10 +63,12 @@ class Store(Protocol):
     def head(self, bucket: str, key: str) -> ObjectInfo: ...
 
     def get(self, bucket: str, key: str, start: int = 0, length: int | None = None, *,
-            etag: str | None = None) -> tuple[bytes, ObjectInfo]:
+            etag: str | None = None, into: bytearray | None = None) -> tuple[bytes, ObjectInfo]:
         """Bytes [start, start+length) (to the end when length is None) and the object's info.
 
-        With `etag`, fail with `StaleError` instead of returning bytes of another version.
+        With `etag`, fail with `StaleError` instead of returning bytes of another version. With
+        `into`, a store may read the data into that buffer and return a view of it (an optimisation
+        a store is free to ignore).
         """
         ...
 
@@ -249,8 +251,9 @@ class S3Store:
         return self._info_from_head(key, resp)
 
     def get(self, bucket: str, key: str, start: int = 0, length: int | None = None, *,
-            etag: str | None = None) -> tuple[bytes, ObjectInfo]:
-        """Bytes-like data (a bytearray on the lean path) and the object's info."""
+            etag: str | None = None, into: bytearray | None = None) -> tuple[bytes, ObjectInfo]:
+        """Bytes-like data and the object's info. With `into` (a buffer at least `length` long) the
+        data is read into it, and a view of it is returned."""
         if length == 0:
             return b"", self.head(bucket, key)  # an empty range cannot be expressed in HTTP
         if self._lean is None:
@@ -260,7 +263,7 @@ class S3Store:
             headers["range"] = f"bytes={start}-{'' if length is None else start + length - 1}"
         if etag:
             headers["if-match"] = f'"{etag}"'
-        r = self._lean_request("get", "GET", bucket, key, headers)
+        r = self._lean_request("get", "GET", bucket, key, headers, into=into)
         data = r.body
         total = None
         cr = r.headers.get("content-range", "")
@@ -275,7 +278,8 @@ class S3Store:
         return data, ObjectInfo(key, total, _split_etag(r.headers.get("etag")),
                                 s3http.http_mtime_ns(r.headers.get("last-modified")))
 
-    def _lean_request(self, op: str, method: str, bucket: str, key: str, headers: dict) -> s3http.Response:
+    def _lean_request(self, op: str, method: str, bucket: str, key: str, headers: dict,
+                      into: bytearray | None = None) -> s3http.Response:
         """One logical request with retries: transient failures (5xx, throttling, broken
         connections) are retried with jittered exponential backoff, like botocore's standard mode."""
         self._counters.add(op)
@@ -283,7 +287,7 @@ class S3Store:
         for attempt in range(1, self.max_attempts + 1):
             self._counters.add("attempts")
             try:
-                r = self._lean.request(method, bucket, key, headers)
+                r = self._lean.request(method, bucket, key, headers, into=into)
             except s3http.RETRYABLE as e:
                 err: errors.StoreError = errors.connection_error(f"store request failed: {e}", key=key)
             else:
@@ -511,7 +515,7 @@ class LocalStore:
         return self._info(key, st)
 
     def get(self, bucket: str, key: str, start: int = 0, length: int | None = None, *,
-            etag: str | None = None) -> tuple[bytes, ObjectInfo]:
+            etag: str | None = None, into: bytearray | None = None) -> tuple[bytes, ObjectInfo]:
         self._counters.add("get")
         try:
             with open(self._path(bucket, key), "rb") as f:
@@ -743,7 +747,7 @@ class MemoryStore:
         return ObjectInfo(key, len(o.data), o.etag, o.mtime_ns)
 
     def get(self, bucket: str, key: str, start: int = 0, length: int | None = None, *,
-            etag: str | None = None) -> tuple[bytes, ObjectInfo]:
+            etag: str | None = None, into: bytearray | None = None) -> tuple[bytes, ObjectInfo]:
         self._counters.add("get")
         o = self._obj(bucket, key)
         if etag and o.etag != etag:
