@@ -279,7 +279,7 @@ class S3Store:
                                 s3http.http_mtime_ns(r.headers.get("last-modified")))
 
     def _lean_request(self, op: str, method: str, bucket: str, key: str, headers: dict,
-                      into: bytearray | None = None) -> s3http.Response:
+                      into: bytearray | None = None, query: dict | None = None) -> s3http.Response:
         """One logical request with retries: transient failures (5xx, throttling, broken
         connections) are retried with jittered exponential backoff, like botocore's standard mode."""
         self._counters.add(op)
@@ -287,7 +287,7 @@ class S3Store:
         for attempt in range(1, self.max_attempts + 1):
             self._counters.add("attempts")
             try:
-                r = self._lean.request(method, bucket, key, headers, into=into)
+                r = self._lean.request(method, bucket, key, headers, into=into, query=query)
             except s3http.RETRYABLE as e:
                 err: errors.StoreError = errors.connection_error(f"store request failed: {e}", key=key)
             else:
@@ -356,6 +356,18 @@ class S3Store:
 
     def list_page(self, bucket: str, prefix: str, *, delimiter: str = "/", token: str | None = None,
                   max_keys: int = 1000) -> ListPage:
+        if self._lean is not None:
+            query = {"list-type": "2", "prefix": prefix, "max-keys": str(max_keys)}
+            if delimiter:
+                query["delimiter"] = delimiter
+            if token:
+                query["continuation-token"] = token
+            r = self._lean_request("list", "GET", bucket, "", {}, query=query)
+            try:
+                res = s3http.parse_list(r.body)
+            except Exception as e:  # noqa: BLE001 - a garbled answer is a failed request
+                raise errors.connection_error(f"unreadable LIST answer: {e}", key=prefix) from None
+            return ListPage([ObjectInfo(*o) for o in res.objects], res.prefixes, res.next_token)
         kwargs: dict = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": max_keys}
         if delimiter:
             kwargs["Delimiter"] = delimiter
