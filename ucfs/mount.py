@@ -50,7 +50,8 @@ def make_store(spec: StoreSpec, cfg: MountConfig, *, access_key: str | None = No
     if spec.kind == "local":
         return LocalStore()
     return S3Store(endpoint_url=spec.endpoint_url, region=spec.region, profile=spec.profile,
-                   path_style=spec.path_style, concurrency=cfg.store_concurrency,
+                   path_style=spec.path_style, payload_signing=spec.payload_signing,
+                   concurrency=cfg.store_concurrency,
                    max_attempts=cfg.store_max_attempts, connect_timeout_s=cfg.store_connect_timeout_s,
                    read_timeout_s=cfg.store_read_timeout_s, access_key=access_key, secret_key=secret_key)
 

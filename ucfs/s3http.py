@@ -29,6 +29,7 @@ from typing import Callable
 from xml.etree import ElementTree
 
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+UNSIGNED_PAYLOAD = "UNSIGNED-PAYLOAD"
 _UNRESERVED = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_.~"
 
 
@@ -79,18 +80,18 @@ class Signer:
         return k
 
     def headers(self, method: str, host: str, path: str, query: str, creds: Credentials,
-                now: datetime.datetime | None = None) -> dict[str, str]:
+                now: datetime.datetime | None = None, payload_hash: str = EMPTY_SHA256) -> dict[str, str]:
         now = now or datetime.datetime.now(datetime.timezone.utc)
         amz_date = now.strftime("%Y%m%dT%H%M%SZ")
         date = amz_date[:8]
-        hdrs = {"host": host, "x-amz-content-sha256": EMPTY_SHA256, "x-amz-date": amz_date}
+        hdrs = {"host": host, "x-amz-content-sha256": payload_hash, "x-amz-date": amz_date}
         if creds.token:
             hdrs["x-amz-security-token"] = creds.token
         names = sorted(hdrs)
         canonical = "\n".join([
             method, path, query,
             "".join(f"{n}:{hdrs[n].strip()}\n" for n in names),
-            ";".join(names), EMPTY_SHA256])
+            ";".join(names), payload_hash])
         scope = f"{date}/{self.region}/s3/aws4_request"
         to_sign = "\n".join(["AWS4-HMAC-SHA256", amz_date, scope,
                              hashlib.sha256(canonical.encode()).hexdigest()])
@@ -145,7 +146,8 @@ class LeanClient:
             conn.close()
 
     def request(self, method: str, bucket: str, key: str, headers: dict[str, str] | None = None,
-                into: bytearray | None = None, query: dict[str, str] | None = None) -> Response:
+                into: bytearray | None = None, query: dict[str, str] | None = None,
+                body: bytes | bytearray | memoryview | None = None, sign_body: bool = False) -> Response:
         """One request; the whole body is read (into a single buffer when its length is known: `into`
         if it is large enough and the answer is a success, else a new one). Raises HTTPFailure when
         the connection breaks; HTTP errors come back as responses."""
@@ -155,12 +157,18 @@ class LeanClient:
             path = f"{self.base_path}/{key}"
         path = uri_encode_path(path)
         qs = canonical_query(query) if query else ""
-        hdrs = self.signer.headers(method, self._host_header(bucket), path, qs, self.credentials())
+        payload_hash = EMPTY_SHA256
+        if body is not None:
+            payload_hash = hashlib.sha256(body).hexdigest() if sign_body else UNSIGNED_PAYLOAD
+        hdrs = self.signer.headers(method, self._host_header(bucket), path, qs, self.credentials(),
+                                   payload_hash=payload_hash)
         if headers:
             hdrs.update(headers)
+        if body is not None:
+            hdrs["content-length"] = str(len(body))
         conn = self._connect(bucket)
         try:
-            conn.request(method, f"{path}?{qs}" if qs else path, headers=hdrs)
+            conn.request(method, f"{path}?{qs}" if qs else path, body=body, headers=hdrs)
             resp = conn.getresponse()
             rh = {k.lower(): v for k, v in resp.getheaders()}
             if method == "HEAD":
@@ -182,6 +190,8 @@ class LeanClient:
                         if not n:
                             raise HTTPFailure(f"connection closed after {got} of {length} body bytes")
                         got += n
+                    if not resp.isclosed():
+                        resp.read()  # an empty body: let http.client see the response is complete
         except (OSError, http.client.HTTPException) as e:
             conn.close()
             if isinstance(e, HTTPFailure):

@@ -148,7 +148,8 @@ class S3Store:
     """
 
     def __init__(self, *, endpoint_url: str | None = None, region: str | None = None,
-                 profile: str | None = None, path_style: bool = True, concurrency: int = 64,
+                 profile: str | None = None, path_style: bool = True, payload_signing: bool = False,
+                 concurrency: int = 64,
                  max_attempts: int = 5, connect_timeout_s: float = 5.0, read_timeout_s: float = 30.0,
                  access_key: str | None = None, secret_key: str | None = None, lean: bool = True):
         import boto3
@@ -157,11 +158,16 @@ class S3Store:
         self.endpoint_url = endpoint_url
         self.name = f"s3:{endpoint_url or 'aws'}"
         self.max_attempts = max_attempts
+        self.payload_signing = payload_signing
         self._counters = Counters()
         session = boto3.session.Session(profile_name=profile)
         cfg = botocore.config.Config(
             region_name=region or session.region_name or "us-east-1",
-            s3={"addressing_style": "path" if path_style else "auto"},
+            # payload_signing_enabled False sends UNSIGNED-PAYLOAD instead of hashing every upload
+            # body: what botocore does on HTTPS anyway. Opt back in per store where a plain-HTTP
+            # link is not trusted.
+            s3={"addressing_style": "path" if path_style else "auto",
+                "payload_signing_enabled": payload_signing},
             max_pool_connections=concurrency,
             retries={"max_attempts": max_attempts, "mode": "standard"},
             connect_timeout=connect_timeout_s,
@@ -279,7 +285,8 @@ class S3Store:
                                 s3http.http_mtime_ns(r.headers.get("last-modified")))
 
     def _lean_request(self, op: str, method: str, bucket: str, key: str, headers: dict,
-                      into: bytearray | None = None, query: dict | None = None) -> s3http.Response:
+                      into: bytearray | None = None, query: dict | None = None,
+                      body: bytes | bytearray | memoryview | None = None) -> s3http.Response:
         """One logical request with retries: transient failures (5xx, throttling, broken
         connections) are retried with jittered exponential backoff, like botocore's standard mode."""
         self._counters.add(op)
@@ -287,7 +294,8 @@ class S3Store:
         for attempt in range(1, self.max_attempts + 1):
             self._counters.add("attempts")
             try:
-                r = self._lean.request(method, bucket, key, headers, into=into, query=query)
+                r = self._lean.request(method, bucket, key, headers, into=into, query=query, body=body,
+                                       sign_body=self.payload_signing)
             except s3http.RETRYABLE as e:
                 err: errors.StoreError = errors.connection_error(f"store request failed: {e}", key=key)
             else:
@@ -387,6 +395,10 @@ class S3Store:
     # -- writes -------------------------------------------------------------------------------
     def put(self, bucket: str, key: str, body: bytes | BinaryIO, size: int) -> ObjectInfo:
         _check_key(key)
+        if self._lean is not None and isinstance(body, (bytes, bytearray, memoryview)):
+            r = self._lean_request("put", "PUT", bucket, key, {}, body=body)
+            self._counters.add("put_bytes", size)
+            return ObjectInfo(key, size, _split_etag(r.headers.get("etag")), time.time_ns())
         resp = self._call("put", key, self._client.put_object, Bucket=bucket, Key=key,
                           Body=body, ContentLength=size)
         self._counters.add("put_bytes", size)
@@ -400,6 +412,11 @@ class S3Store:
 
     def upload_part(self, bucket: str, key: str, upload_id: str, part_number: int,
                     body: bytes | BinaryIO, size: int) -> str:
+        if self._lean is not None and isinstance(body, (bytes, bytearray, memoryview)):
+            r = self._lean_request("upload_part", "PUT", bucket, key, {}, body=body,
+                                   query={"partNumber": str(part_number), "uploadId": upload_id})
+            self._counters.add("put_bytes", size)
+            return _split_etag(r.headers.get("etag"))
         resp = self._call("upload_part", key, self._client.upload_part, Bucket=bucket, Key=key,
                           UploadId=upload_id, PartNumber=part_number, Body=body, ContentLength=size)
         self._counters.add("put_bytes", size)
