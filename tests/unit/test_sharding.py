@@ -1,0 +1,365 @@
+"""torchio's sharding, resume state and local file cache, without a mount.
+
+The arithmetic (`torchio._shard`) is checked exhaustively over small sizes; the dataset and loader
+run over a local directory with real DataLoader workers, which behave the same on a mount (the mount
+tests in tests/torch add the store). See torchio/dataset.py for the contract.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+import time
+from collections import Counter
+
+import pytest
+
+torch = pytest.importorskip("torch")
+# Tests use up to 3 DataLoader workers on 2 cores on purpose.
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+from torchio import DataLoader, UCVolumeDataset  # noqa: E402
+from torchio import _shard  # noqa: E402
+from torchio._cache import FileCache, SourceFile, disk_bytes  # noqa: E402
+
+
+def rr_consumption(shares: list[list[int]], batch_size: int) -> list[int]:
+    """What torch's DataLoader hands the consumer: one batch per worker in turn, skipping dry ones."""
+    batches = [[s[i:i + batch_size] for i in range(0, len(s), batch_size)] for s in shares]
+    out: list[int] = []
+    for rnd in itertools.count():
+        live = [b[rnd] for b in batches if rnd < len(b)]
+        if not live:
+            return out
+        for b in live:
+            out.extend(b)
+
+
+# -- the arithmetic ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_ranks_are_equal_disjoint_and_cover_the_epoch(drop_last):
+    for n, world in itertools.product(range(0, 23), range(1, 6)):
+        order = _shard.epoch_order(n, epoch=0, seed=0, shuffle=False)
+        streams = [_shard.rank_stream(order, rank=r, world_size=world, drop_last=drop_last) for r in range(world)]
+        per = _shard.per_rank_count(n, world, drop_last=drop_last)
+        assert all(len(s) == per for s in streams), (n, world)
+        seen = Counter(i for s in streams for i in s)
+        if drop_last:
+            assert all(c == 1 for c in seen.values()) and len(seen) == per * world
+        else:
+            assert set(seen) == set(range(n))  # no gaps
+            assert sum(seen.values()) - n == per * world - n  # the only repeats are the padding
+            assert per * world - n < world or n == 0
+
+
+def test_workers_split_a_rank_without_overlap_and_in_consumption_order():
+    for n, workers, batch, start in itertools.product(range(0, 30), range(0, 5), range(1, 6), range(0, 8)):
+        stream = list(range(100, 100 + n))
+        shares = [_shard.worker_share(stream, start=start, worker=w, num_workers=workers, batch_size=batch)
+                  for w in range(max(1, workers))]
+        assert sorted(i for s in shares for i in s) == stream[start:]
+        # The DataLoader's round-robin over these shares gives back the stream in order: that is what
+        # makes "items consumed" one exact number.
+        assert rr_consumption(shares, batch) == stream[start:], (n, workers, batch, start)
+
+
+def test_shuffle_is_per_epoch_and_reproducible():
+    a0 = _shard.epoch_order(1000, epoch=0, seed=5, shuffle=True)
+    assert a0 == _shard.epoch_order(1000, epoch=0, seed=5, shuffle=True)
+    assert sorted(a0) == list(range(1000)) and a0 != list(range(1000))
+    assert a0 != _shard.epoch_order(1000, epoch=1, seed=5, shuffle=True)
+    assert a0 != _shard.epoch_order(1000, epoch=0, seed=6, shuffle=True)
+    # seed + epoch would make these two equal
+    assert _shard.epoch_order(50, epoch=1, seed=0, shuffle=True) != _shard.epoch_order(50, epoch=0, seed=1,
+                                                                                         shuffle=True)
+
+
+def test_shard_rejects_nonsense():
+    with pytest.raises(ValueError):
+        _shard.rank_stream([1, 2], rank=2, world_size=2, drop_last=False)
+    with pytest.raises(ValueError):
+        _shard.worker_share([1, 2], start=0, worker=3, num_workers=2, batch_size=1)
+    with pytest.raises(ValueError):
+        _shard.per_rank_count(4, 0, drop_last=False)
+
+
+# -- the dataset over a local directory ---------------------------------------------------------------
+
+@pytest.fixture
+def tree(tmp_path):
+    root = tmp_path / "src"
+    for i in range(37):
+        d = root / ("a" if i % 3 else "b/c")
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"f{i:03d}.bin").write_bytes(i.to_bytes(2, "little") * (50 + i))
+    (root / "skip.txt").write_text("not a sample")
+    return root
+
+
+def names(paths) -> list[str]:
+    """The sample a cached path stands for (its content names it)."""
+    out = []
+    for p in paths:
+        with open(p, "rb") as f:
+            out.append(f"f{int.from_bytes(f.read(2), 'little'):03d}.bin")
+    return out
+
+
+def make(tree, tmp_path, **kw) -> UCVolumeDataset:
+    kw.setdefault("pattern", "*.bin")
+    return UCVolumeDataset(tree, cache_dir=tmp_path / "cache", **kw)
+
+
+def test_listing_is_sorted_recursive_and_filtered(tree, tmp_path):
+    ds = make(tree, tmp_path)
+    rel = [os.path.relpath(p, tree) for p in ds.files]
+    assert rel == sorted(rel) and len(rel) == 37 and "skip.txt" not in rel
+    assert len(make(tree, tmp_path, recursive=False).files) == 0
+    assert len(make(tree, tmp_path, pattern="a/*").files) == 24
+    with pytest.raises(FileNotFoundError):
+        UCVolumeDataset(tree / "missing", cache_dir=tmp_path / "cache")
+    with pytest.raises(NotADirectoryError):
+        UCVolumeDataset(tree / "skip.txt", cache_dir=tmp_path / "cache")
+
+
+def test_from_files_reads_exactly_those(tree, tmp_path):
+    picked = [tree / "b" / "c" / "f000.bin", tree / "a" / "f002.bin", tree / "a" / "f001.bin"]
+    ds = UCVolumeDataset.from_files(picked, cache_dir=tmp_path / "cache")
+    assert ds.files == sorted(str(p) for p in picked)
+    assert names(ds) == ["f001.bin", "f002.bin", "f000.bin"]
+    ds.refresh()
+    assert len(ds.files) == 3
+    with pytest.raises(FileNotFoundError):
+        UCVolumeDataset.from_files([tree / "nope.bin", tree / "a" / "f001.bin"], cache_dir=tmp_path / "cache")
+
+
+def test_files_are_cached_once_and_yielded_as_local_paths(tree, tmp_path):
+    ds = make(tree, tmp_path)
+    first = list(ds)
+    assert all(p.startswith(str(tmp_path / "cache")) for p in first)
+    assert sorted(names(first)) == sorted(f"f{i:03d}.bin" for i in range(37))
+    assert ds.statistics()["misses"] == 37 and ds.statistics()["hits"] == 0
+    assert list(ds) == first
+    assert ds.statistics()["hits"] == 37
+    # Another dataset (another run) over the same unchanged files reuses the copies.
+    again = make(tree, tmp_path)
+    assert list(again) == first and again.statistics()["misses"] == 0
+
+
+def test_a_changed_source_is_a_miss_never_stale(tree, tmp_path):
+    p = tree / "a" / "f001.bin"
+    ds = make(tree, tmp_path, pattern="a/f001.bin")
+    old = list(ds)[0]
+    p.write_bytes(b"\x01\x00" + b"new content")
+    os.utime(p, ns=(time.time_ns(), time.time_ns() + 10**9))
+    fresh = make(tree, tmp_path, pattern="a/f001.bin")
+    new = list(fresh)[0]
+    assert new != old and open(new, "rb").read() == p.read_bytes()
+
+
+@pytest.mark.parametrize("workers", [0, 1, 3])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_loader_delivers_the_rank_stream_in_order(tree, tmp_path, workers, batch):
+    ds = make(tree, tmp_path, shuffle=True, seed=11)
+    ds.set_epoch(3)
+    got = [p for b in DataLoader(ds, batch_size=batch, num_workers=workers, log_every_batches=0) for p in b]
+    order = _shard.epoch_order(37, epoch=3, seed=11, shuffle=True)
+    want = [os.path.basename(ds.files[i]) for i in order]
+    assert names(got) == want
+
+
+def test_ranks_from_the_environment(tree, tmp_path, monkeypatch):
+    seen = []
+    for rank in range(3):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "3")
+        ds = make(tree, tmp_path)
+        assert len(ds) == 13
+        got = names(p for b in DataLoader(ds, batch_size=2, num_workers=2, log_every_batches=0) for p in b)
+        assert len(got) == 13
+        seen += got
+    c = Counter(seen)
+    assert set(c) == {f"f{i:03d}.bin" for i in range(37)} and sum(c.values()) == 39  # 2 pads
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
+    assert len(make(tree, tmp_path, drop_last=True)) == 12
+
+
+def test_set_epoch_reaches_persistent_workers(tree, tmp_path):
+    ds = make(tree, tmp_path, shuffle=True, seed=1)
+    loader = DataLoader(ds, batch_size=3, num_workers=2, persistent_workers=True, log_every_batches=0)
+    epochs = []
+    for e in range(3):
+        ds.set_epoch(e)
+        epochs.append(names(p for b in loader for p in b))
+    assert epochs[0] != epochs[1] != epochs[2]
+    for e, got in enumerate(epochs):
+        assert got == [os.path.basename(ds.files[i]) for i in _shard.epoch_order(37, epoch=e, seed=1, shuffle=True)]
+    ds.set_epoch(1)
+    assert names(p for b in loader for p in b) == epochs[1]
+
+
+@pytest.mark.parametrize("workers_before,workers_after", [(0, 0), (1, 1), (2, 2), (2, 0), (0, 3)])
+def test_resume_mid_epoch_yields_exactly_the_rest(tree, tmp_path, workers_before, workers_after):
+    ds = make(tree, tmp_path, shuffle=True, seed=4)
+    ds.set_epoch(2)
+    loader = DataLoader(ds, batch_size=4, num_workers=workers_before, log_every_batches=0)
+    consumed = []
+    for k, b in enumerate(loader):
+        consumed += b
+        if k == 4:
+            state = loader.state_dict()
+            break
+    assert state["dataset"]["consumed"] == 20 and state["dataset"]["epoch"] == 2
+    assert ds.state_dict() == state["dataset"]
+
+    ds2 = make(tree, tmp_path, shuffle=True, seed=4)
+    loader2 = DataLoader(ds2, batch_size=3, num_workers=workers_after, log_every_batches=0)
+    loader2.load_state_dict(state)
+    ds2.set_epoch(2)  # the training loop sets the epoch it resumes in: the resume point stays
+    rest = [p for b in loader2 for p in b]
+    assert sorted(names(consumed + rest)) == sorted(f"f{i:03d}.bin" for i in range(37))
+    assert len(consumed) + len(rest) == 37
+    assert ds2.state_dict()["consumed"] == 37
+    # The next pass of the same epoch starts from its beginning again.
+    assert len([p for b in loader2 for p in b]) == 37
+    ds2.set_epoch(3)
+    assert ds2.state_dict()["consumed"] == 0
+
+
+def test_resume_state_is_checked(tree, tmp_path):
+    ds = make(tree, tmp_path, seed=1)
+    state = ds.state_dict()
+    with pytest.raises(ValueError, match="seed"):
+        make(tree, tmp_path, seed=2).load_state_dict(state)
+    with pytest.raises(ValueError, match="file list"):
+        make(tree, tmp_path, seed=1, pattern="a/*").load_state_dict(state)
+    with pytest.raises(ValueError, match="version"):
+        ds.load_state_dict({**state, "version": 99})
+
+
+def test_resume_refuses_another_world_size(tree, tmp_path, monkeypatch):
+    ds = make(tree, tmp_path)
+    state = {**ds.state_dict(), "consumed": 3, "world_size": 2}
+    ds.load_state_dict(state)
+    with pytest.raises(ValueError, match="world size"):
+        list(ds)
+
+
+class Decoded(torch.utils.data.IterableDataset):
+    """The ImageDataset pattern: a dataset of paths wrapped by one that decodes them."""
+
+    def __init__(self, paths: UCVolumeDataset):
+        self.paths = paths
+
+    def __iter__(self):
+        for p in self.paths:
+            with open(p, "rb") as f:
+                yield torch.tensor(int.from_bytes(f.read(2), "little"))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_wrapping_dataset_shards_and_resumes(tree, tmp_path, workers):
+    ds = make(tree, tmp_path)
+    loader = DataLoader(Decoded(ds), batch_size=5, num_workers=workers, log_every_batches=0)
+    it = iter(loader)
+    head = torch.cat([next(it), next(it)]).tolist()
+    state = loader.state_dict()
+    del it
+    assert state["dataset"]["consumed"] == 10
+    ds2 = make(tree, tmp_path)
+    loader2 = DataLoader(Decoded(ds2), batch_size=5, num_workers=workers, log_every_batches=0)
+    loader2.load_state_dict(state)
+    rest = torch.cat(list(loader2)).tolist()
+    assert head + rest == [int(os.path.basename(p)[1:4]) for p in ds.files]  # in order, each once
+
+
+def test_loader_defaults_and_stats(tree, tmp_path):
+    ds = make(tree, tmp_path)
+    loader = DataLoader(ds, batch_size=8)
+    assert loader.num_workers >= 1 and loader.persistent_workers and loader.prefetch_factor == 4
+    assert loader.stats() is None
+    n = sum(1 for _ in loader)
+    st = loader.stats()
+    assert st.batches == n == 5 and st.wait_s >= st.wait_max_s > 0 and 0 < st.wait_fraction <= 1
+    assert st.cache["misses"] + st.cache["hits"] == 37
+    plain = DataLoader(list(range(10)), batch_size=4, num_workers=0)  # any dataset works, just timed
+    assert [b.tolist() for b in plain] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert plain.stats().batches == 3 and plain.state_dict() == {}
+
+
+# -- the file cache -----------------------------------------------------------------------------------
+
+def src_file(tmp_path, name: str, size: int) -> SourceFile:
+    p = tmp_path / "src" / name
+    p.parent.mkdir(exist_ok=True)
+    p.write_bytes(os.urandom(size))
+    st = p.stat()
+    return SourceFile(str(p), st.st_size, st.st_mtime_ns)
+
+
+def test_cache_evicts_least_recently_used_within_capacity(tmp_path):
+    cache = FileCache(tmp_path / "c", capacity_bytes=10 * 4096, free_floor_bytes=0, protect_s=0)
+    files = [src_file(tmp_path, f"f{i}", 4000) for i in range(12)]
+    for f in files[:8]:
+        assert not cache.get(f).hit
+    time.sleep(0.01)
+    assert cache.get(files[0]).hit  # now the most recently used
+    for f in files[8:]:
+        got = cache.get(f)
+        assert not got.bypassed and open(got.path, "rb").read() == open(f.path, "rb").read()
+        assert cache.usage_bytes() <= 10 * 4096
+    assert cache.lookup(files[0]) is not None  # survived: recently used
+    assert cache.lookup(files[1]) is None  # the oldest went first
+
+
+def test_cache_bypasses_what_cannot_fit(tmp_path):
+    big = src_file(tmp_path, "big", 50_000)
+    assert FileCache(tmp_path / "c1", capacity_bytes=4096, free_floor_bytes=0).get(big).bypassed
+    floor = FileCache(tmp_path / "c2", capacity_bytes=1 << 40, free_floor_bytes=1 << 60)
+    got = floor.get(big)
+    assert got.bypassed and got.path == big.path
+    # Files in use (touched within protect_s) are not evicted to make room.
+    busy = FileCache(tmp_path / "c3", capacity_bytes=2 * 4096, free_floor_bytes=0, protect_s=3600)
+    a, b, c = (src_file(tmp_path, n, 4000) for n in "abc")
+    assert not busy.get(a).bypassed and not busy.get(b).bypassed
+    assert busy.get(c).bypassed and busy.lookup(a) and busy.lookup(b)
+
+
+def test_cache_recounts_usage_after_drift(tmp_path):
+    cache = FileCache(tmp_path / "c", capacity_bytes=1 << 30, free_floor_bytes=0)
+    f = src_file(tmp_path, "x", 10_000)
+    cache.get(f)
+    (cache.base / "usage").write_text("garbage")
+    assert cache.usage_bytes() == disk_bytes(10_000)
+
+
+def _fill_many(root: str, paths: list[tuple[str, int, int]], q) -> None:
+    cache = FileCache(root, capacity_bytes=40 * 4096, free_floor_bytes=0, protect_s=0)
+    for p in paths:
+        got = cache.get(SourceFile(*p))
+        with open(got.path, "rb") as f:
+            if f.read() != open(p[0], "rb").read():
+                q.put("corrupt")
+    q.put("ok")
+
+
+def test_cache_is_shared_safely_by_processes(tmp_path):
+    files = [src_file(tmp_path, f"s{i}", 3000 + i) for i in range(60)]
+    args = [(f.path, f.size, f.mtime_ns) for f in files]
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_fill_many, args=(str(tmp_path / "c"), args[i::2] + args, q)) for i in range(4)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    assert results == ["ok"] * 4
+    cache = FileCache(tmp_path / "c", capacity_bytes=40 * 4096, free_floor_bytes=0)
+    on_disk = sum(disk_bytes(os.path.getsize(os.path.join(d, f)))
+                  for d, _, fs in os.walk(cache.base / "objects") for f in fs)
+    assert on_disk <= 40 * 4096
+    assert not os.listdir(cache.base / "tmp")

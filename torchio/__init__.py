@@ -1,0 +1,46 @@
+"""torchio: PyTorch data loading and checkpointing on a ucfs mount.
+
+    from torchio import UCVolumeDataset, DataLoader, UCVolumeWriter, UCVolumeReader
+
+- `UCVolumeDataset`: the files under a volume directory, sharded over (rank, worker), copied once
+  to a host-local cache, yielded as local paths; resumable mid-epoch.
+- `DataLoader`: torch's DataLoader with defaults for the mount, fetch-ahead, exact resume and
+  timing of how long each batch waited for data.
+- `UCVolumeWriter` / `UCVolumeReader`: `torch.distributed.checkpoint` storage whose ``.metadata``
+  appears in the store only after every shard of every rank is committed.
+
+Names are imported on first use, so ``import torchio`` stays cheap (torch.distributed.checkpoint
+is loaded only by a script that checkpoints). torchio uses the mount through ordinary file calls and
+imports nothing of ucfs's file system; ucfs never imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+__all__ = ["UCVolumeDataset", "DataLoader", "UCVolumeWriter", "UCVolumeReader"]
+
+_WHERE = {
+    "UCVolumeDataset": ".dataset",
+    "DataLoader": ".loader",
+    "UCVolumeWriter": ".dcp",
+    "UCVolumeReader": ".dcp",
+}
+
+if TYPE_CHECKING:
+    from .dataset import UCVolumeDataset
+    from .dcp import UCVolumeReader, UCVolumeWriter
+    from .loader import DataLoader
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        value = getattr(importlib.import_module(_WHERE[name], __name__), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module 'torchio' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

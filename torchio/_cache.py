@@ -1,0 +1,371 @@
+"""A host-local cache of whole files copied from the mount, shared by every process that points at it.
+
+Layout (versioned, so a future change never misreads an old cache)::
+
+    <root>/v1/objects/<2 hex>/<38 hex><suffix>   # hex = sha256(source path, size, mtime_ns)
+    <root>/v1/tmp/                              # fills in progress
+    <root>/v1/usage                             # bytes in use, guarded by an flock on it
+
+**Identity.** A cached copy is named after the source path *and* the size and mtime the mount
+reported for it (the object's size and last-modified time). A source that changes gets a new name: a
+miss, never stale data. The old copy is no longer asked for and ages out. The same name on the next
+run, or in another process, is a hit: the cache survives restarts while the source is unchanged.
+
+**Atomic fill.** A miss copies the source into a private file under ``tmp/`` and renames it into
+place, so another worker or process on the host sees the whole file or nothing, and two processes that
+miss the same file at once both end with the same complete copy. The copy is not fsynced: after a
+power loss a truncated file fails the size check at its next lookup and is fetched again.
+
+**Bounds.** The bytes in use are kept in ``usage`` and changed under an exclusive flock, so the limit
+holds for all processes together, not for each one. When a fill would pass ``capacity_bytes``, or
+leave less than ``free_floor_bytes`` free on the file system, one process scans the cache and deletes
+least recently used files (a hit refreshes a file's mtime) down to 90 % of the capacity, so a full
+cache is not rescanned for every file. The scan also recomputes ``usage``, correcting any drift left
+by a process that died between reserving room and filling it. Files used in the last
+``protect_s`` seconds are never evicted: they may have just been handed to a consumer that has not
+opened them yet. When room cannot be found the file is *bypassed*: the caller reads it from the mount.
+
+No torch in here: the cache is plain files and locks, tested on its own.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import itertools
+import logging
+import os
+import stat
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+LAYOUT = "v1"
+
+# Eviction frees down to this share of the capacity: a cache that is full stays mostly full, yet the
+# next few hundred fills do not each trigger a scan of the whole directory.
+EVICT_TO_FRACTION = 0.9
+# A temporary file older than this belongs to a fill that died; the next eviction scan removes it.
+STALE_TMP_S = 3600.0
+# Copy buffer: one read per file for the small samples this cache is for, few for big ones.
+COPY_BUFFER_BYTES = 1 << 20
+
+
+def disk_bytes(n: int) -> int:
+    """Space a file of n bytes takes in whole 4 KiB file-system blocks (what `du` counts)."""
+    return (n + 4095) & ~4095
+
+
+@dataclass(frozen=True, slots=True)
+class SourceFile:
+    """A file on the mount as the listing reported it: the unit of cache identity."""
+
+    path: str
+    size: int
+    mtime_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    """Where to read a file from, and what getting it cost."""
+
+    path: str  # the local copy, or the source itself when bypassed
+    hit: bool
+    copied_bytes: int = 0
+    bypassed: bool = False
+
+
+class FileCache:
+    """Whole-file copies under `root`. Thread-safe, fork-safe and picklable (opens nothing eagerly)."""
+
+    def __init__(self, root: str | os.PathLike, *, capacity_bytes: int, free_floor_bytes: int,
+                 protect_s: float = 60.0):
+        if capacity_bytes < 0 or free_floor_bytes < 0:
+            raise ValueError("capacity_bytes and free_floor_bytes must not be negative")
+        self.root = Path(root).absolute()
+        self.capacity_bytes = int(capacity_bytes)
+        self.free_floor_bytes = int(free_floor_bytes)
+        self.protect_s = float(protect_s)
+        self._init_local()
+
+    # Per-process state is rebuilt after unpickling or forking: an flock belongs to an open file
+    # description, which a forked child would share with its parent (and so not exclude it).
+    def _init_local(self) -> None:
+        self._objects = str(self.root / LAYOUT / "objects")
+        self._pid = os.getpid()
+        self._thread_lock = threading.Lock()
+        self._lock_fd: int | None = None
+        self._ready = False
+        self._tmp_ids = itertools.count()
+        self._warned_bypass = False
+
+    def __getstate__(self) -> dict:
+        return {"root": self.root, "capacity_bytes": self.capacity_bytes,
+                "free_floor_bytes": self.free_floor_bytes, "protect_s": self.protect_s}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._init_local()
+
+    @property
+    def base(self) -> Path:
+        return self.root / LAYOUT
+
+    def _prepare(self) -> None:
+        if self._pid != os.getpid():
+            self._init_local()
+        if self._ready:
+            return
+        for d in (self.base / "objects", self.base / "tmp"):
+            # 0700: copies of training data are as private as the user's access to the volume.
+            d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._ready = True
+
+    # -- identity -------------------------------------------------------------------------------
+    def local_path(self, src: SourceFile) -> str:
+        h = hashlib.sha256(f"{src.path}\0{src.size}\0{src.mtime_ns}".encode()).hexdigest()[:40]
+        # Keep the extension: some decoders choose a format by it.
+        suffix = os.path.splitext(src.path)[1]
+        if len(suffix) > 16 or not suffix[1:].isalnum():
+            suffix = ""
+        # Plain strings, not Path objects: this runs for every sample of every epoch.
+        return os.path.join(self._objects, h[:2], h[2:] + suffix)
+
+    # -- lookup and fill ------------------------------------------------------------------------
+    def lookup(self, src: SourceFile) -> str | None:
+        """The local copy of `src` if there is one (and mark it recently used), else None."""
+        self._prepare()
+        p = self.local_path(src)
+        try:
+            st = os.stat(p)
+        except FileNotFoundError:
+            return None
+        if st.st_size != src.size:
+            return None  # torn by a crash (the fill is not fsynced): fetch it again
+        try:
+            os.utime(p)  # recency for LRU; mount options like noatime make atime useless
+        except FileNotFoundError:
+            return None  # evicted this very moment
+        return p
+
+    def get(self, src: SourceFile) -> Fetched:
+        """The local copy of `src`, copying it from the mount first if needed."""
+        local = self.lookup(src)
+        if local is not None:
+            return Fetched(local, hit=True)
+        return self.fill(src)
+
+    def fill(self, src: SourceFile) -> Fetched:
+        self._prepare()
+        with open(src.path, "rb", buffering=0) as fin:
+            st = os.fstat(fin.fileno())
+            actual = src
+            if (st.st_size, st.st_mtime_ns) != (src.size, src.mtime_ns):
+                # Changed since it was listed: what we read now is the new version; name it so.
+                actual = SourceFile(src.path, st.st_size, st.st_mtime_ns)
+                log.debug("%s changed since it was listed; caching its current version", src.path)
+                local = self.lookup(actual)
+                if local is not None:
+                    return Fetched(local, hit=True)
+            need = disk_bytes(actual.size)
+            if not self._reserve(need):
+                self._note_bypass(actual)
+                return Fetched(src.path, hit=False, bypassed=True)
+            dst = self.local_path(actual)
+            tmp = self.base / "tmp" / f"{os.path.basename(dst)}.{os.getpid()}.{threading.get_ident()}.{next(self._tmp_ids)}"
+            try:
+                with open(tmp, "wb", buffering=0) as fout:
+                    copied = _copy(fin, fout)
+                if copied != actual.size:
+                    raise OSError(errno.EIO, f"{src.path}: read {copied} bytes of {actual.size}")
+                os.makedirs(os.path.dirname(dst), mode=0o700, exist_ok=True)
+                os.rename(tmp, dst)  # atomic: readers see the whole file or none
+            except BaseException:
+                self._release(need)
+                with _suppress_missing():
+                    os.unlink(tmp)
+                raise
+        return Fetched(dst, hit=False, copied_bytes=copied)
+
+    def _note_bypass(self, src: SourceFile) -> None:
+        level = logging.DEBUG if self._warned_bypass else logging.WARNING
+        self._warned_bypass = True
+        log.log(level, "cache %s has no room for %s (%d bytes; capacity %d, free floor %d): reading it "
+                "from the mount instead", self.root, src.path, src.size, self.capacity_bytes,
+                self.free_floor_bytes)
+
+    # -- accounting -----------------------------------------------------------------------------
+    def _reserve(self, nbytes: int) -> bool:
+        """Account for `nbytes` more, evicting if needed; False when no room can be made."""
+        if nbytes > self.capacity_bytes:
+            return False
+        with self._locked() as fd:
+            used = self._read_usage(fd)
+            if used is None:
+                used = self._scan_and_evict(fd, 0, evict=False)
+            if self._fits(used, nbytes):
+                self._write_usage(fd, used + nbytes)
+                return True
+            used = self._scan_and_evict(fd, nbytes, evict=True)
+            if self._fits(used, nbytes):
+                self._write_usage(fd, used + nbytes)
+                return True
+            self._write_usage(fd, used)
+            return False
+
+    def _release(self, nbytes: int) -> None:
+        with self._locked() as fd:
+            used = self._read_usage(fd)
+            if used is not None:
+                self._write_usage(fd, max(0, used - nbytes))
+
+    def _fits(self, used: int, nbytes: int) -> bool:
+        return used + nbytes <= self.capacity_bytes and self._free_bytes() - nbytes >= self.free_floor_bytes
+
+    def _free_bytes(self) -> int:
+        s = os.statvfs(self.base)
+        return s.f_bavail * s.f_frsize
+
+    def usage_bytes(self) -> int:
+        """Bytes the cache accounts for (all processes)."""
+        self._prepare()
+        with self._locked() as fd:
+            used = self._read_usage(fd)
+            if used is None:
+                used = self._scan_and_evict(fd, 0, evict=False)
+                self._write_usage(fd, used)
+            return used
+
+    def _scan_and_evict(self, fd: int, nbytes: int, *, evict: bool) -> int:
+        """Recount what is on disk; with `evict`, delete LRU files until `nbytes` more fit. Returns the
+        bytes in use afterwards. Called with the lock held."""
+        now = time.time()
+        files: list[tuple[float, int, str]] = []
+        used = 0
+        for sub in _scandir(self.base / "objects"):
+            if not sub.is_dir(follow_symlinks=False):
+                continue
+            for e in _scandir(sub.path):
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    files.append((st.st_mtime, disk_bytes(st.st_size), e.path))
+                    used += disk_bytes(st.st_size)
+        for e in _scandir(self.base / "tmp"):
+            try:
+                st = e.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if now - st.st_mtime > STALE_TMP_S:
+                with _suppress_missing():
+                    os.unlink(e.path)
+            else:
+                used += disk_bytes(st.st_size)  # a fill in progress elsewhere
+        if not evict:
+            return used
+        target = min(int(self.capacity_bytes * EVICT_TO_FRACTION), self.capacity_bytes - nbytes)
+        files.sort()
+        freed = evicted = 0
+        for mtime, size, path in files:
+            if used <= target and self._free_bytes() - nbytes >= self.free_floor_bytes:
+                break
+            if now - mtime < self.protect_s:
+                break  # everything from here on is in use right now
+            with _suppress_missing():
+                os.unlink(path)
+            used -= size  # gone either way
+            freed += size
+            evicted += 1
+        log.info("cache %s: evicted %d files (%d bytes); %d bytes in use", self.root, evicted, freed, used)
+        return used
+
+    # -- the usage file and its lock ------------------------------------------------------------
+    class _Locked:
+        def __init__(self, cache: "FileCache"):
+            self.cache = cache
+
+        def __enter__(self) -> int:
+            c = self.cache
+            c._thread_lock.acquire()  # an flock does not exclude threads sharing one descriptor
+            try:
+                if c._lock_fd is None:
+                    c._lock_fd = os.open(c.base / "usage", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                fcntl.flock(c._lock_fd, fcntl.LOCK_EX)
+            except BaseException:
+                c._thread_lock.release()
+                raise
+            return c._lock_fd
+
+        def __exit__(self, *exc) -> None:
+            c = self.cache
+            try:
+                fcntl.flock(c._lock_fd, fcntl.LOCK_UN)
+            finally:
+                c._thread_lock.release()
+
+    def _locked(self) -> "_Locked":
+        self._prepare()
+        return FileCache._Locked(self)
+
+    @staticmethod
+    def _read_usage(fd: int) -> int | None:
+        raw = os.pread(fd, 32, 0).strip()
+        try:
+            return int(raw) if raw else None
+        except ValueError:
+            return None  # damaged: recount
+
+    @staticmethod
+    def _write_usage(fd: int, used: int) -> None:
+        data = f"{used:<20d}\n".encode()  # fixed width: a rewrite never leaves old digits behind
+        os.pwrite(fd, data, 0)
+
+
+def _copy(fin, fout) -> int:
+    """Copy fin to fout; return the bytes copied.
+
+    sendfile copies inside the kernel: no buffer to allocate and fill in Python, and one system call
+    per chunk. That matters because a cold epoch is bound by CPU, ours and the mount daemon's, long
+    before it is bound by the network. Falls back to plain reads where sendfile is refused.
+    """
+    in_fd, out_fd = fin.fileno(), fout.fileno()
+    total = 0
+    try:
+        while True:
+            n = os.sendfile(out_fd, in_fd, None, COPY_BUFFER_BYTES)
+            if n == 0:
+                return total
+            total += n
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP) or total:
+            raise
+    while True:
+        chunk = os.read(in_fd, COPY_BUFFER_BYTES)
+        if not chunk:
+            return total
+        view = memoryview(chunk)
+        while view:
+            view = view[os.write(out_fd, view):]
+        total += len(chunk)
+
+
+def _scandir(path) -> list[os.DirEntry]:
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except FileNotFoundError:
+        return []
+
+
+class _suppress_missing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, typ, exc, tb) -> bool:
+        return typ is not None and issubclass(typ, FileNotFoundError)
