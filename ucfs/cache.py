@@ -279,9 +279,13 @@ class BlockCache:
         return length, sums
 
     # -- writing --------------------------------------------------------------------------------
-    def put_blocks(self, version: ObjectVersion, first: int, data: bytes | memoryview) -> bool:
+    def put_blocks(self, version: ObjectVersion, first: int, data: bytes | memoryview,
+                   backing: mmap.mmap | None = None) -> bool:
         """Store consecutive blocks starting at `first` (all full but maybe the last) as one segment.
-        False when they could not be kept (no room, disk full), which callers may ignore."""
+        False when they could not be kept (no room, disk full), which callers may ignore.
+
+        `backing`: a page-aligned buffer that `data` starts at (the read path's pooled GET buffers);
+        the segment is then written from it directly, without a copy."""
         B = self.block_bytes
         count = (len(data) + B - 1) // B
         if count == 0 or count > MAX_BLOCKS_PER_SEGMENT:
@@ -303,7 +307,7 @@ class BlockCache:
         tmp = path.parent / f".tmp{next(self._tmp_ids)}"
         try:
             path.parent.mkdir(exist_ok=True, mode=0o700)
-            self._write_file(tmp, header, view)
+            self._write_file(tmp, header, view, backing)
             os.replace(tmp, path)
         except OSError as e:
             try:
@@ -329,16 +333,9 @@ class BlockCache:
     def put_block(self, version: ObjectVersion, index: int, data: bytes | memoryview) -> bool:
         return self.put_blocks(version, index, data)
 
-    def _write_file(self, path: Path, header: bytes, data: memoryview) -> None:
+    def _write_file(self, path: Path, header: bytes, data: memoryview, backing: mmap.mmap | None) -> None:
         """Write header page + data, directly to the disk when possible (see the module doc)."""
-        n = HEADER_BYTES + len(data)
         if self._direct:
-            padded = (n + _ALIGN - 1) & ~(_ALIGN - 1)
-            buf = self._aligned_buffer(padded)
-            buf[:len(header)] = header
-            buf[len(header):HEADER_BYTES] = bytes(HEADER_BYTES - len(header))
-            buf[HEADER_BYTES:n] = data
-            buf[n:padded] = bytes(padded - n)
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
             except OSError as e:
@@ -347,14 +344,7 @@ class BlockCache:
                 log.info("%s does not take O_DIRECT; writing cache blocks through the page cache", self.root)
                 self._direct = False
             else:
-                try:
-                    written = os.write(fd, memoryview(buf)[:padded])
-                    if written != padded:
-                        raise OSError(errno.EIO, f"short cache write ({written} of {padded} bytes)")
-                    if padded != n:
-                        os.ftruncate(fd, n)
-                finally:
-                    os.close(fd)
+                self._write_direct(fd, header, data, backing)
                 return
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -362,14 +352,39 @@ class BlockCache:
         finally:
             os.close(fd)
 
-    def _aligned_buffer(self, size: int) -> mmap.mmap:
-        """A page-aligned buffer of this thread's, reused: O_DIRECT needs aligned memory, and fresh
-        memory for every segment would cost a page fault per 4 KiB."""
-        buf = getattr(self._tls, "buf", None)
-        if buf is None or len(buf) < size:
-            buf = mmap.mmap(-1, max(size, HEADER_BYTES + 8 * self.block_bytes))
-            self._tls.buf = buf
-        return buf
+    def _write_direct(self, fd: int, header: bytes, data: memoryview, backing: mmap.mmap | None) -> None:
+        """O_DIRECT needs page-aligned memory and lengths: the header goes in a page of its own, the
+        data is written from its aligned buffer (or a copy in one), padded, then truncated."""
+        n = len(data)
+        padded = (n + _ALIGN - 1) & ~(_ALIGN - 1)
+        page = self._header_page()
+        page[:len(header)] = header
+        page[len(header):] = bytes(HEADER_BYTES - len(header))
+        tmpbuf = None
+        if backing is not None and len(backing) >= padded:
+            body = memoryview(backing)[:padded]  # the bytes past n are truncated away below
+        else:
+            tmpbuf = mmap.mmap(-1, max(padded, _ALIGN))  # small segments mostly
+            tmpbuf[:n] = data
+            body = memoryview(tmpbuf)[:padded]
+        try:
+            written = os.pwritev(fd, [page, body], 0)
+            if written != HEADER_BYTES + padded:
+                raise OSError(errno.EIO, f"short cache write ({written} of {HEADER_BYTES + padded} bytes)")
+            if padded != n:
+                os.ftruncate(fd, HEADER_BYTES + n)
+        finally:
+            os.close(fd)
+            body.release()  # the pooled buffer may only be reused once no view of it is left
+            if tmpbuf is not None:
+                tmpbuf.close()
+
+    def _header_page(self) -> mmap.mmap:
+        """This thread's page-aligned header page (O_DIRECT needs aligned memory)."""
+        page = getattr(self._tls, "page", None)
+        if page is None:
+            page = self._tls.page = mmap.mmap(-1, HEADER_BYTES)
+        return page
 
     # -- room -----------------------------------------------------------------------------------
     def _make_room(self, size: int) -> bool:

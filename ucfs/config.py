@@ -51,9 +51,16 @@ class MountConfig:
     # ~1 GB/s even with 10-30 ms of store latency (bandwidth-delay product is far below this).
     readahead_max_bytes: int = 128 * MiB
 
-    # One budget for file data in memory: read-ahead of all handles and the buffers of uploads. Many
-    # open files share it, so memory stays bounded however many files are streamed at once.
+    # One budget for everything in memory that grows with load: read-ahead of all handles, the buffers
+    # of uploads, and the FUSE request buffers (fuse_max_tasks x 1 MiB, set aside first). Many open
+    # files share it, so memory stays bounded however many files are streamed at once.
     readahead_budget_bytes: int = 512 * MiB
+
+    @property
+    def data_budget_bytes(self) -> int:
+        """The part of the budget left for file data once the FUSE request buffers are set aside
+        (each worker task owns one of 1 MiB + 4 KiB, FUSE's largest write); at least 16 MiB."""
+        return max(16 * MiB, self.readahead_budget_bytes - self.fuse_max_tasks * (MiB + 4 * KiB))
 
     # Requests to the store in flight at once (threads and pooled connections). 64 lets a 64-way
     # small-file copy keep 64 GETs going, which is what hides per-request latency.
@@ -79,14 +86,16 @@ class MountConfig:
     # single entries are looked up instead (a LIST page holds 1,000 keys).
     relist_max_entries: int = 5000
 
-    # FUSE worker tasks: how many kernel requests we handle concurrently. Must exceed the parallelism
-    # of the busiest client (64-way copies), or requests queue in the kernel.
-    fuse_max_tasks: int = 256
+    # FUSE worker tasks: how many kernel requests we handle concurrently. Enough for the busiest client
+    # (a 64-way copy has 64 requests in flight); not more, because each task owns a receive buffer
+    # of 1 MiB + 4 KiB (FUSE's largest write) that counts in the daemon's memory.
+    fuse_max_tasks: int = 64
 
     # Read-ahead the kernel itself does on the mount. Its requests reach us in pieces of up to 1 MiB
-    # (FUSE's largest); a 4 MiB window keeps several of them in flight, so a sequential reader costs a
-    # few large requests instead of a stream of 128 KiB ones (the kernel's default). Needs root.
-    kernel_readahead_kib: int = 4096
+    # (FUSE's largest); 1 MiB makes a sequential reader cost 1 MiB requests instead of 128 KiB ones
+    # (the kernel's default), while a buffered reader jumping between Parquet column chunks does not
+    # pull 4 MiB around each 1 MiB it reads. Our own read-ahead looks further. Needs root.
+    kernel_readahead_kib: int = 1024
 
     # Let users other than the mounting one see the mount (they still need grants).
     allow_other: bool = False

@@ -112,7 +112,7 @@ class Core:
         self.uid = os.getuid() if uid is None else uid
         self.gid = os.getgid() if gid is None else gid
         self.inodes = InodeTable()
-        self.budget = MemoryBudget(cfg.readahead_budget_bytes)
+        self.budget = MemoryBudget(cfg.data_budget_bytes)
         self.pool = BufferPool(cfg.part_bytes, self.budget)
         self.stats: collections.Counter[str] = collections.Counter()
         self.started_ns = time.time_ns()

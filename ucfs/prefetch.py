@@ -11,7 +11,9 @@ sequential when it starts between a little behind the furthest byte read so far 
 
 Window. A sequential stream starts with `readahead_initial_bytes` (1 MiB + 128 KiB: the kernel's
 first two requests) so that reading just a file's head costs one small GET, and the window doubles
-each time the reader moves into a new block, up to `readahead_max_bytes`. Once the window reaches
+each time the reader has consumed a whole window, up to `readahead_max_bytes`: the read-ahead never
+exceeds twice what the stream has read, which bounds what a long read at a random offset (several
+sequential requests from the kernel) costs beyond itself. Once the window reaches
 `part_bytes`, read-ahead is issued in whole parts (8 MiB ranged GETs aligned to part boundaries),
 several in flight at once; that is where a store delivers full throughput. A random read resets the
 window and fetches only the blocks it touches.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import mmap
 import time
 from dataclasses import dataclass, field
 
@@ -60,6 +63,7 @@ class MemoryBudget:
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
         self.peak_bytes = 0
+        self.caching_bytes = 0  # fetched data waiting for its disk cache write
         self._released = trio.Event()
         # Ready blocks nobody has read yet, oldest first: (reader, index) -> time they became idle.
         self._idle: collections.OrderedDict[tuple["ObjectReader", int], float] = collections.OrderedDict()
@@ -89,6 +93,14 @@ class MemoryBudget:
             await self._released.wait()
         self._take(n)
 
+    async def wait_for_disk(self) -> None:
+        """Backpressure for reads: while memory is over budget because fetched data is still on its
+        way to the disk cache, wait for it. (A store faster than the local disk would otherwise pile
+        up fetched blocks without bound, since reads someone waits for are never refused.) Waiting is
+        safe: cache writes finish on their own."""
+        while self.used_bytes > self.capacity_bytes and self.caching_bytes > 0:
+            await self._released.wait()
+
     def _take(self, n: int) -> None:
         self.used_bytes += n
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
@@ -117,48 +129,53 @@ class MemoryBudget:
 
 
 class BufferPool:
-    """Part-sized buffers for ranged GETs, reused rather than allocated per request.
+    """Part-sized, page-aligned buffers for ranged GETs, reused rather than allocated per request.
 
     A fresh multi-MiB buffer costs a page fault per 4 KiB the first time it is written, which on
     the virtual machines we measured was a third of a cold read's CPU; a reused one costs nothing.
-    Idle buffers are kept only while they and the data in use together fit the memory budget, so
-    the pool never lets memory exceed it.
+    Page alignment lets the disk cache write a fetched part straight from its buffer with O_DIRECT,
+    without a copy. Idle buffers are kept only while they and the data in use together fit the
+    memory budget, so the pool never lets memory exceed it.
     """
 
     def __init__(self, buffer_bytes: int, budget: MemoryBudget):
         self.buffer_bytes = buffer_bytes
         self.budget = budget
-        self._free: list[bytearray] = []
+        self._free: list[mmap.mmap] = []
         self.reused = 0
         self.discarded = 0
 
-    def acquire(self, n: int) -> bytearray | None:
+    def acquire(self, n: int) -> mmap.mmap | None:
         """A buffer of at least n bytes, or None for requests too small to be worth pooling."""
         if n > self.buffer_bytes or n < self.buffer_bytes // 2:
             return None
         if self._free:
             self.reused += 1
             return self._free.pop()
-        return bytearray(self.buffer_bytes)
+        return mmap.mmap(-1, self.buffer_bytes)
 
-    def release(self, buf: bytearray) -> None:
+    def release(self, buf: mmap.mmap) -> None:
         try:
             # A buffer still viewed by someone cannot be resized: never hand it out again then.
-            buf.append(0)
-            del buf[-1]
+            buf.resize(len(buf))
         except BufferError:
             self.discarded += 1
             return
         if self.budget.used_bytes + (len(self._free) + 1) * self.buffer_bytes <= self.budget.capacity_bytes:
             self._free.append(buf)
+        else:
+            buf.close()
 
 
 @dataclass(eq=False)
 class _Run:
-    """Blocks fetched by one GET into one pooled buffer; the buffer goes back when all let go."""
+    """The blocks one GET fetched, sharing its buffer. The buffer, and the budget it holds, go back
+    only when every block has let go of it and the cache has written it: memory is counted as long
+    as it is actually held, not block by block."""
 
-    buf: bytearray
+    buf: mmap.mmap | None
     refs: int
+    reserved: int = 0
 
 
 @dataclass(eq=False)
@@ -195,6 +212,7 @@ class ObjectReader:
         self.pool = pool
         self.blocks: dict[int, _Block] = {}
         self.window = cfg.readahead_initial_bytes
+        self.stream_start = 0  # where the current sequential stream began
         self.stream_end = 0  # furthest byte read by the current sequential stream
         self._scheduled_end = 0  # end of the contiguous scheduled region of the stream
         self._low = 0  # no block below this index is held (blocks behind the reader are dropped)
@@ -211,6 +229,8 @@ class ObjectReader:
         if off >= self.size or size <= 0:
             return b""
         end = min(off + size, self.size)
+        if self.budget.used_bytes > self.budget.capacity_bytes:
+            await self.budget.wait_for_disk()
         self._plan(off, end)
         B = self.B
         first, last = off // B, (end - 1) // B
@@ -268,14 +288,26 @@ class ObjectReader:
         if not sequential:
             self.stats["random_reads"] += 1
             self.window = self.cfg.readahead_initial_bytes
+            self.stream_start = off
             self.stream_end = end
             self._scheduled_end = end
             self._schedule(first, demand_stop, demand_stop)
             return
-        if self.stream_end > 0 and (end - 1) // B > (self.stream_end - 1) // B:
-            # The reader moved into a new block while streaming: it keeps up, so look further ahead.
-            self.window = min(self.window * 2, self.cfg.readahead_max_bytes)
         self.stream_end = max(self.stream_end, end)
+        # The reader has consumed a whole window since the stream began: it keeps up, so look twice
+        # as far ahead. Growing with what was read (not per request) keeps a long read at a random
+        # offset - which the kernel hands us as several sequential requests - from fetching far
+        # more than it asked for: the window never exceeds twice what the stream has read.
+        while self.stream_end - self.stream_start >= self.window and self.window < self.cfg.readahead_max_bytes:
+            self.window = min(self.window * 2, self.cfg.readahead_max_bytes)
+        if self.stream_start > 0 and self.stream_end - self.stream_start < self.cfg.readahead_initial_bytes:
+            # A stream that began at a seek has not shown it is one yet: a column chunk or record read
+            # at a random offset arrives as a few requests in a row. Fetch what they touch, nothing
+            # more, until it has read a first window's worth. (A stream from the file's head reads
+            # ahead at once: small files then cost one GET.)
+            self._schedule(first, demand_stop, demand_stop)
+            self._scheduled_end = max(self._scheduled_end, min(demand_stop * B, self.size))
+            return
         part = self.cfg.part_bytes
         target = min(off + self.window, self.size)
         ahead_from = self._scheduled_end if off <= self._scheduled_end else end
@@ -286,6 +318,8 @@ class ObjectReader:
             target = min(-(-target // part) * part, self.size)
             if target - ahead_from < part and target < self.size:
                 target = end
+        elif target - ahead_from < self.window // 2 and target < self.size:
+            target = end  # likewise while ramping up: top up by half a window at a time
         stop = max(demand_stop, -(-target // B))
         if all(i in self.blocks for i in range(first, demand_stop)):
             # Steady state: what this read needs is here or coming; only extend the read-ahead.
@@ -357,9 +391,15 @@ class ObjectReader:
                 self._cancel_scopes.discard(scope)
         while fetched:
             blocks, view, r = fetched.pop()
-            await self._cache_run(blocks, view)
-            del view  # the buffer can only go back to the pool once no view of it is left
-            self._unref(r)
+            n = len(view)
+            self.budget.caching_bytes += n
+            try:
+                await self._cache_run(blocks, view, r.buf)
+            finally:
+                # Counted down before the run lets go of its memory, so whoever that wakes sees it.
+                self.budget.caching_bytes -= n
+                del view  # the buffer can only go back to the pool once no view of it is left
+                self._unref(r)
 
     def _abandon(self, run: list[_Block], e: BaseException) -> None:
         for blk in run:
@@ -386,7 +426,7 @@ class ObjectReader:
             self._ready(blk)
         return missing
 
-    async def _get(self, run: list[_Block]) -> tuple[memoryview, _Run | None]:
+    async def _get(self, run: list[_Block]) -> tuple[memoryview, _Run]:
         start = run[0].index * self.B
         length = min((run[-1].index + 1) * self.B, self.size) - start
         self.gets += 1
@@ -404,33 +444,41 @@ class ObjectReader:
                                     "range", key=self.key)
         self.stats["get_bytes"] += length
         view = memoryview(data)
-        r = None
-        if buf is not None:
-            if view.obj is buf:
-                r = _Run(buf, len(run) + 1)  # each block, plus the cache write
-            else:
-                self.pool.release(buf)  # the store did not use it
+        if buf is not None and view.obj is not buf:
+            self.pool.release(buf)  # the store did not use it
+            buf = None
         del data
+        r = _Run(buf, len(run) + 1)  # each block, plus the cache write
         for k, blk in enumerate(run):
             blk.data = view[k * self.B:(k + 1) * self.B]
             blk.run = r
+            # The blocks share one buffer: its budget is the run's until the buffer goes.
+            r.reserved += blk.reserved
+            blk.reserved = 0
             self._ready(blk)
         return view, r
 
-    def _unref(self, r: _Run | None) -> None:
+    def _unref(self, r: _Run | None) -> int:
+        """One holder of a run let go; returns the bytes of budget given back (when it was the last)."""
         if r is None:
-            return
+            return 0
         r.refs -= 1
-        if r.refs == 0 and self.pool is not None:
+        if r.refs > 0:
+            return 0
+        n, r.reserved = r.reserved, 0
+        if n:
+            self.budget.release(n)
+        if r.buf is not None and self.pool is not None:
             self.pool.release(r.buf)
+        return n
 
-    async def _cache_run(self, run: list[_Block], view: memoryview) -> None:
+    async def _cache_run(self, run: list[_Block], view: memoryview, backing: mmap.mmap | None) -> None:
         """Keep blocks fetched together in the disk cache, as one segment; their memory may go once
-        they are there."""
+        they are there. `backing`, when given, is the page-aligned buffer `view` starts at."""
         if self.cache is not None:
             try:
                 with trio.CancelScope(shield=True):
-                    await run_disk(self.cache.put_blocks, self.version, run[0].index, view)
+                    await run_disk(self.cache.put_blocks, self.version, run[0].index, view, backing)
             except OSError as e:
                 log.warning("could not write cache blocks of %r: %s", self.key, e)
         for blk in run:
@@ -451,7 +499,10 @@ class ObjectReader:
 
     # -- letting go ---------------------------------------------------------------------------
     def _drop_behind(self, first: int) -> None:
-        limit = first - KEEP_BEHIND_BYTES // self.B
+        keep = KEEP_BEHIND_BYTES // self.B
+        if self.budget.used_bytes > self.budget.capacity_bytes:
+            keep = 0  # memory is short: what the reader has passed is on disk, let it go now
+        limit = first - keep
         while self._low < limit:
             if self._low in self.blocks:
                 self._drop(self._low)
@@ -470,8 +521,7 @@ class ObjectReader:
         self.budget.mark_busy(self, index)
         blk.data = None
         r, blk.run = blk.run, None
-        self._unref(r)
-        return self._release(blk)
+        return self._unref(r) + self._release(blk)
 
     def _release(self, blk: _Block) -> int:
         n, blk.reserved = blk.reserved, 0

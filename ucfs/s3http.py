@@ -20,6 +20,7 @@ import hashlib
 import hmac
 import http.client
 import queue
+import select
 import socket
 import ssl
 import urllib.parse
@@ -49,6 +50,10 @@ class Response:
 
 class HTTPFailure(Exception):
     """The connection failed before a complete response arrived (retry on a new connection)."""
+
+    def __init__(self, message: str, *, timed_out: bool = False):
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 def uri_encode_path(path: str) -> str:
@@ -127,17 +132,27 @@ class LeanClient:
         host = self.host if default else f"{self.host}:{self.port}"
         return host if self.path_style else f"{bucket}.{host}"
 
-    def _connect(self, bucket: str) -> http.client.HTTPConnection:
-        try:
-            conn = self._idle.get_nowait()
-            if conn.sock is not None:
-                return conn
-        except queue.Empty:
-            pass
+    def _connect(self, bucket: str) -> tuple[http.client.HTTPConnection, bool]:
+        """A connection and whether it was reused from the pool."""
+        while True:
+            try:
+                conn = self._idle.get_nowait()
+            except queue.Empty:
+                break
+            if conn.sock is None:
+                continue
+            # An idle keep-alive socket the server has closed (or written to) reads as ready: it
+            # would fail the request we put on it, so drop it now.
+            readable, _, _ = select.select([conn.sock], [], [], 0)
+            if readable:
+                conn.close()
+                continue
+            return conn, True
         host = self.host if self.path_style else f"{bucket}.{self.host}"
         if self._ssl is not None:
-            return http.client.HTTPSConnection(host, self.port, timeout=self.timeout_s, context=self._ssl)
-        return http.client.HTTPConnection(host, self.port, timeout=self.timeout_s)
+            return http.client.HTTPSConnection(host, self.port, timeout=self.timeout_s,
+                                               context=self._ssl), False
+        return http.client.HTTPConnection(host, self.port, timeout=self.timeout_s), False
 
     def _release(self, conn: http.client.HTTPConnection) -> None:
         try:
@@ -166,24 +181,38 @@ class LeanClient:
             hdrs.update(headers)
         if body is not None:
             hdrs["content-length"] = str(len(body))
-        conn = self._connect(bucket)
+        for fresh_retry in (False, True):
+            conn, reused = self._connect(bucket)
+            try:
+                return self._exchange(conn, method, f"{path}?{qs}" if qs else path, hdrs, body, into)
+            except HTTPFailure as e:
+                # A keep-alive connection can die between our check and our request (the server's
+                # idle timeout); that is no failure of the store. Once more on a new connection
+                # (not after a timeout: a silent server is the store's failure, not the socket's).
+                if reused and not fresh_retry and not e.timed_out:
+                    continue
+                raise
+        raise AssertionError("unreachable")
+
+    def _exchange(self, conn: http.client.HTTPConnection, method: str, target: str, hdrs: dict,
+                  body, into: bytearray | None) -> Response:
         try:
-            conn.request(method, f"{path}?{qs}" if qs else path, body=body, headers=hdrs)
+            conn.request(method, target, body=body, headers=hdrs)
             resp = conn.getresponse()
             rh = {k.lower(): v for k, v in resp.getheaders()}
             if method == "HEAD":
                 resp.read()
-                body: bytearray | bytes = b""
+                data: bytearray | bytes | memoryview = b""
             else:
                 length = resp.length
                 if length is None:
-                    body = resp.read()
+                    data = resp.read()
                 else:
                     if into is not None and resp.status < 300 and len(into) >= length:
-                        body = memoryview(into)[:length]
+                        data = memoryview(into)[:length]
                     else:
-                        body = bytearray(length)
-                    view = memoryview(body)
+                        data = bytearray(length)
+                    view = memoryview(data)
                     got = 0
                     while got < length:
                         n = resp.readinto(view[got:])
@@ -196,12 +225,12 @@ class LeanClient:
             conn.close()
             if isinstance(e, HTTPFailure):
                 raise
-            raise HTTPFailure(f"{type(e).__name__}: {e}") from None
+            raise HTTPFailure(f"{type(e).__name__}: {e}", timed_out=isinstance(e, TimeoutError)) from None
         if resp.will_close:
             conn.close()
         else:
             self._release(conn)
-        return Response(resp.status, rh, body)
+        return Response(resp.status, rh, data)
 
     def close(self) -> None:
         while True:
