@@ -10,13 +10,16 @@ Each test gets its own key prefix and its own mountpoint and cache directory, an
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
+import urllib.parse
 import uuid
 
 import pytest
 
 from tests.support import Mount, delete_prefix, make_catalog
+from ucfs.testing.faults import FaultProxy
 from ucfs.testing.rgw import RGWServer, S3Endpoint
 
 
@@ -98,15 +101,18 @@ def prefix(s3, bucket, request) -> str:
 
 @pytest.fixture
 def mount_factory(tmp_path, s3_endpoint, bucket, prefix):
-    """Start mounts of this test's prefix: mount_factory(volumes=None, args=(), name='m')."""
+    """Start mounts of this test's prefix: mount_factory(volumes=None, args=(), name='m').
+
+    `endpoint` puts something else in the catalog (a fault-injecting proxy in front of the server)."""
     if (why := _fuse_available()) is not None:
         pytest.fail(f"FUSE is required for integration tests: {why}")
     mounts: list[Mount] = []
 
     def factory(volumes: dict[str, dict] | None = None, args: tuple[str, ...] = (), name: str = "m",
-                start: bool = True) -> Mount:
+                start: bool = True, endpoint: S3Endpoint | None = None, root=None) -> Mount:
         volumes = volumes or {"test.s.vol": {"prefix": f"{prefix}/vol"}}
-        m = Mount(tmp_path / name, s3_endpoint, make_catalog(s3_endpoint, bucket, volumes), tuple(args))
+        ep = endpoint or s3_endpoint
+        m = Mount(root or tmp_path / name, ep, make_catalog(ep, bucket, volumes), tuple(args))
         mounts.append(m)
         return m.start() if start else m
 
@@ -121,3 +127,13 @@ def mount_factory(tmp_path, s3_endpoint, bucket, prefix):
 @pytest.fixture
 def mount(mount_factory) -> Mount:
     return mount_factory()
+
+
+@pytest.fixture
+def fault_proxy(s3_endpoint):
+    """A FaultProxy in front of the S3 server; `fault_proxy.endpoint` is the endpoint to mount through
+    (mount_factory(endpoint=fault_proxy.endpoint)). Rules are removed when the test ends."""
+    u = urllib.parse.urlsplit(s3_endpoint.url)
+    with FaultProxy(u.hostname, u.port or 80, seed=5) as proxy:
+        proxy.endpoint = dataclasses.replace(s3_endpoint, url=proxy.url)
+        yield proxy

@@ -115,11 +115,18 @@ class Catalog:
     def load(cls, path: str | os.PathLike) -> "Catalog":
         path = Path(path)
         try:
-            text = path.read_text()
+            raw = path.read_bytes()
         except FileNotFoundError:
             raise ConfigError(f"{path}: catalog file not found") from None
         except OSError as e:
             raise ConfigError(f"{path}: cannot read catalog file: {e.strerror}") from None
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            # TOML is UTF-8; say where the offending byte is rather than let a codec error escape.
+            line = raw[:e.start].count(b"\n") + 1
+            raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x}); "
+                              "a catalog must be UTF-8") from None
         return cls.parse(text, str(path))
 
     @classmethod
@@ -127,79 +134,103 @@ class Catalog:
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
-            # tomllib says "... (at line N, column M)"; lead with the file so the user knows where.
-            raise ConfigError(f"{source}: not valid TOML: {e}") from None
+            # tomllib says "... (at line N, column M)"; lead with "file:N:" like every other catalog
+            # error, so the user (and their editor) know where.
+            m = re.search(r"\(at line (\d+), column (\d+)\)", str(e))
+            if m is None:
+                raise ConfigError(f"{source}: not valid TOML: {e}") from None
+            what = str(e)[:m.start()].strip()
+            raise ConfigError(f"{source}:{m[1]}: not valid TOML: {what} (column {m[2]})") from None
         return cls.from_dict(data, source, text)
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "<dict>", text: str = "") -> "Catalog":
-        def where(table: str) -> str:
-            # Line of a table header, so errors point at the right place in the file.
-            for i, line in enumerate(text.splitlines(), 1):
-                if line.strip().startswith("[") and table in line:
-                    return f"{source}:{i}"
-            return source
+        lines = _LineIndex(text)
+
+        def where(kind: str, name: str, key: str | None = None) -> str:
+            # "file:line" of the key (or else of the table header), so every error points at its line.
+            line = lines.find((kind, name), key)
+            return f"{source}:{line}" if line else source
 
         unknown = set(data) - {"stores", "volumes"}
         if unknown:
             raise ConfigError(f"{source}: unknown top-level key(s) {sorted(unknown)}; "
                               "expected [stores.*] and [volumes.\"catalog.schema.volume\"]")
         stores: dict[str, StoreSpec] = {}
+        if not isinstance(data.get("stores") or {}, dict):
+            raise ConfigError(f"{source}: 'stores' must be a table of [stores.NAME] tables")
         for sname, s in (data.get("stores") or {}).items():
             if not isinstance(s, dict):
-                raise ConfigError(f"{where(sname)}: [stores.{sname}] must be a table")
-            bad = set(s) - {"endpoint_url", "region", "profile", "path_style", "payload_signing"}
+                raise ConfigError(f"{where('stores', sname)}: [stores.{sname}] must be a table")
+            bad = sorted(set(s) - {"endpoint_url", "region", "profile", "path_style", "payload_signing"})
             if bad:
-                raise ConfigError(f"{where(sname)}: unknown key(s) {sorted(bad)} in [stores.{sname}]")
+                raise ConfigError(f"{where('stores', sname, bad[0])}: unknown key(s) {bad} "
+                                  f"in [stores.{sname}]")
+            # Wrong types would otherwise surface later, as a traceback from deep inside boto3.
+            for k in ("endpoint_url", "region", "profile"):
+                if k in s and not isinstance(s[k], str):
+                    raise ConfigError(f"{where('stores', sname, k)}: {k} of [stores.{sname}] "
+                                      "must be a string")
+            for k in ("path_style", "payload_signing"):
+                if k in s and not isinstance(s[k], bool):
+                    raise ConfigError(f"{where('stores', sname, k)}: {k} of [stores.{sname}] must be "
+                                      "true or false")
             stores[sname] = StoreSpec(sname, "s3", s.get("endpoint_url"), s.get("region"),
-                                      s.get("profile"), bool(s.get("path_style", True)),
-                                      bool(s.get("payload_signing", False)))
+                                      s.get("profile"), s.get("path_style", True),
+                                      s.get("payload_signing", False))
         volumes: dict[tuple[str, str, str], Volume] = {}
         vols = data.get("volumes") or {}
         if not isinstance(vols, dict):
             raise ConfigError(f"{source}: 'volumes' must be a table of tables")
         for full, v in vols.items():
-            loc = where(full)
+            loc = where("volumes", full)
+
+            def at(key: str, full: str = full) -> str:
+                return where("volumes", full, key)
+
             parts = full.split(".")
             if len(parts) != 3 or not all(_NAME_RE.match(p) for p in parts):
                 raise ConfigError(f"{loc}: volume name {full!r} must be catalog.schema.volume, each part "
                                   "letters, digits, '_', '-' or '.' (and not starting with '.' or '-')")
             if not isinstance(v, dict):
                 raise ConfigError(f"{loc}: [volumes.\"{full}\"] must be a table")
-            bad = set(v) - {"location", "store", "read_only", "readers", "writers"}
+            bad = sorted(set(v) - {"location", "store", "read_only", "readers", "writers"})
             if bad:
-                raise ConfigError(f"{loc}: unknown key(s) {sorted(bad)} in volume {full!r}")
+                raise ConfigError(f"{at(bad[0])}: unknown key(s) {bad} in volume {full!r}")
             location = v.get("location")
             if not isinstance(location, str) or not location:
-                raise ConfigError(f"{loc}: volume {full!r} needs a location (s3://bucket/prefix or a path)")
+                raise ConfigError(f"{at('location')}: volume {full!r} needs a location "
+                                  "(s3://bucket/prefix or a path)")
             read_only = v.get("read_only", False)
             if not isinstance(read_only, bool):
-                raise ConfigError(f"{loc}: read_only of {full!r} must be true or false")
+                raise ConfigError(f"{at('read_only')}: read_only of {full!r} must be true or false")
             if location.startswith("s3://"):
                 rest = location[5:]
                 bucket, _, prefix = rest.partition("/")
                 if not bucket:
-                    raise ConfigError(f"{loc}: location {location!r} has no bucket")
+                    raise ConfigError(f"{at('location')}: location {location!r} has no bucket")
                 prefix = prefix.strip("/")
                 prefix = prefix + "/" if prefix else ""
                 sname = v.get("store") or ("default" if "default" in stores else "aws")
                 if sname == "aws" and "aws" not in stores:
                     stores["aws"] = StoreSpec("aws", "s3")
-                if sname not in stores:
-                    raise ConfigError(f"{loc}: volume {full!r} names store {sname!r}, which has no "
+                if not isinstance(sname, str) or sname not in stores:
+                    raise ConfigError(f"{at('store')}: volume {full!r} names store {sname!r}, which has no "
                                       f"[stores.{sname}] table")
                 spec = stores[sname]
             else:
                 d = location.removeprefix("file://")
                 if not os.path.isabs(d):
-                    raise ConfigError(f"{loc}: location {location!r} must be s3://bucket/prefix or an "
-                                      "absolute directory path")
+                    raise ConfigError(f"{at('location')}: location {location!r} must be s3://bucket/prefix "
+                                      "or an absolute directory path")
                 bucket, prefix, spec = os.path.normpath(d), "", StoreSpec("local", "local")
-            try:
-                readers = parse_grants(v.get("readers", ["*"]))
-                writers = parse_grants(v.get("writers", ["*"]))
-            except ValueError as e:
-                raise ConfigError(f"{loc}: volume {full!r}: {e}") from None
+            grants = {}
+            for kind in ("readers", "writers"):
+                try:
+                    grants[kind] = parse_grants(v.get(kind, ["*"]))
+                except ValueError as e:
+                    raise ConfigError(f"{at(kind)}: volume {full!r}: {kind}: {e}") from None
+            readers, writers = grants["readers"], grants["writers"]
             volumes[tuple(parts)] = Volume(parts[0], parts[1], parts[2], spec, bucket, prefix,
                                            read_only, readers, writers)
         if not volumes:
@@ -213,6 +244,44 @@ class Catalog:
         spec = StoreSpec("local", "local")
         vol = Volume("main", "default", "samples", spec, os.path.abspath(demo_dir), "")
         return cls({("main", "default", "samples"): vol}, "<embedded>")
+
+
+class _LineIndex:
+    """Where tables and keys are in a catalog's text, for error messages.
+
+    Each line is read on its own with tomllib: a table header gives the table's path, a `key = value`
+    line a key of the current table. Lines that are not complete on their own (arrays spread over
+    several lines) are skipped; their errors then point at the table's header.
+    """
+
+    def __init__(self, text: str):
+        self.headers: dict[tuple[str, ...], int] = {}
+        self.keys: dict[tuple[tuple[str, ...], str], int] = {}
+        current: tuple[str, ...] = ()
+        for i, line in enumerate(text.splitlines(), 1):
+            stripped = line.strip()
+            if not stripped or stripped.startswith("#"):
+                continue
+            try:
+                parsed = tomllib.loads(stripped)
+            except tomllib.TOMLDecodeError:
+                continue
+            if stripped.startswith("["):
+                path: list[str] = []
+                node = parsed
+                while isinstance(node, dict) and len(node) == 1:
+                    k, node = next(iter(node.items()))
+                    path.append(k)
+                current = tuple(path)
+                self.headers.setdefault(current, i)
+            else:
+                for k in parsed:
+                    self.keys.setdefault((current, k), i)
+
+    def find(self, table: tuple[str, ...], key: str | None = None) -> int | None:
+        if key is not None and (table, key) in self.keys:
+            return self.keys[(table, key)]
+        return self.headers.get(table)
 
 
 def parse_grants(entries) -> Grants:

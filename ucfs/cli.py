@@ -270,6 +270,14 @@ def format_status(mnt: str, st: dict) -> str:
     if "loop_max_stall_ms" in st:
         lines.append(f"  event loop: longest stall {st['loop_max_stall_ms']} ms, "
                      f"{st.get('loop_stalls_over_100ms', 0)} over 100 ms")
+        samples = st.get("loop_stall_samples") or []
+        if samples:
+            # Why the latest long stall happened: our code on the CPU, a busy host, or blocked.
+            s = samples[-1]
+            lines.append(f"    latest: {s['stall_ms']:.0f} ms, loop thread on a CPU {s['on_cpu_ms']:.0f} ms, "
+                         f"waiting for a CPU {s['waiting_for_cpu_ms']:.0f} ms, "
+                         f"blocked {s['blocked_ms']:.0f} ms"
+                         + (f", at {s['stack'][-1]}" if s.get("stack") else ""))
     c = st.get("cache") or {}
     if c:
         hits, misses = c.get("hits", 0), c.get("misses", 0)
@@ -288,7 +296,8 @@ def format_status(mnt: str, st: dict) -> str:
     cm = st.get("commits")
     if cm:
         lines.append(f"  commits: {cm.get('pending', 0)} pending ({cm.get('pending_bytes', 0) / 2**20:.1f} MiB), "
-                     f"{cm.get('failed', 0)} failed, {cm.get('committed', 0)} committed")
+                     f"{cm.get('failed', 0)} failed, {cm.get('committed', 0)} committed, "
+                     f"{cm.get('retries', 0)} retried")
         for item in cm.get("items", []):
             lines.append(f"    {item['state']:<9} {item['path']}  {item['size']} bytes, age {item['age_s']:.0f} s, "
                          f"attempts {item['attempts']}" + (f", error: {item['error']}" if item.get("error") else ""))

@@ -70,6 +70,18 @@ PARTS_IN_FLIGHT_PER_FILE = 8
 CACHE_AFTER_COMMIT_MAX_BYTES = 64 * MiB
 
 
+def _close_and_remove(fd: int, path: Path) -> None:
+    """Close a staging file and remove it (blocking: run it in a thread)."""
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def part_bytes_for(n: int, base: int) -> int:
     """Size of part number n (1-based): `base`, doubling every 1,000 parts, so 10,000 parts reach
     the largest object S3 allows while small files still use small parts."""
@@ -123,6 +135,9 @@ class Staged:
     generation: int = 0  # bumped by every change
     flushed_generation: int = -1  # latest generation made durable by close()/fsync
     committed_generation: int = -1  # latest generation known to be in the store
+    # Open handles, plus pins: work that uses the staging file without a handle of its own (a
+    # truncate without an open file, fsync of a directory, part uploads, background syncs). The
+    # file is closed and removed only when this is zero (see `Committer._maybe_retire`).
     handles: int = 0
     writers: int = 0
     error: OSError | None = None  # permanent commit failure
@@ -130,6 +145,13 @@ class Staged:
     queued: bool = False
     fsync_waiters: int = 0
     dropped: bool = False  # unlinked: never commit
+    retired: bool = False  # staging file closed and removed; its fd number may belong to another file
+    # The largest size the file has had (the kernel may still believe it), when it last finished
+    # shrinking, and whether it is shrinking now: reads racing a truncate are told apart from reads
+    # at the end of the file (core.read).
+    high_water: int = 0
+    shrunk_at: float = 0.0
+    shrinking: int = 0
     appends_only: bool = True  # every write so far extended the file (stream candidate)
     stream: Stream | None = None
     unsynced: int = 0
@@ -237,6 +259,7 @@ class Committer:
             while self.journal._queue:
                 await trio.sleep(0.01)
         for s in self.staged.values():
+            s.retired = True  # closed here: tasks ending after us must not close the number again
             try:
                 os.close(s.fd)
             except OSError:
@@ -269,9 +292,15 @@ class Committer:
         if node.staged is not None:
             s = node.staged
             if truncate and s.size:
-                await self.truncate(s, 0)
+                # Pinned: a commit finishing meanwhile must not retire it under the truncate. The
+                # caller takes a handle before its next await.
+                s.handles += 1
+                try:
+                    await self.truncate(s, 0)
+                finally:
+                    s.handles -= 1
             return s
-        self._check_space()
+        await run_disk(self._check_space)  # in a thread: making room may delete cache segments
         path, fd = await run_disk(self._new_staging)
         s = Staged(node, node.volume, path, fd, 0, time.time_ns())
         try:
@@ -283,6 +312,9 @@ class Committer:
             raise
         if truncate or not node.etag:
             s.generation = 1  # new content: must be committed even if nothing is written
+        s.high_water = node.size if node.etag else 0
+        if truncate and s.high_water:
+            s.shrunk_at = time.monotonic()  # the committed object was longer
         node.staged = s
         self.staged[node.ino] = s
         return s
@@ -318,7 +350,7 @@ class Committer:
         if end > MAX_OBJECT_BYTES:
             raise errors.fs_error(errors.EFBIG, "larger than the store's largest object (5 TiB)")
         if s.unsynced > BACKGROUND_SYNC_BYTES // 2:
-            self._check_space()
+            await run_disk(self._check_space)
         async with s.lock:
             appending = off == s.size
             try:
@@ -328,6 +360,7 @@ class Committer:
                     raise errors.fs_error(errors.ENOSPC, "staging disk is full") from None
                 raise
             s.size = max(s.size, end)
+            s.high_water = max(s.high_water, s.size)
             s.mtime_ns = time.time_ns()
             s.generation += 1
             if not appending:
@@ -336,6 +369,7 @@ class Committer:
         s.unsynced += n
         if s.unsynced >= BACKGROUND_SYNC_BYTES:
             s.unsynced = 0
+            self.pin(s)
             self._nursery.start_soon(self._background_sync, s)
         self._maybe_stream(s)
         return n
@@ -345,13 +379,32 @@ class Committer:
             await run_disk(os.fdatasync, s.fd)
         except OSError:
             pass  # the fdatasync at close reports problems
+        finally:
+            self.unpin(s)
+
+    def pin(self, s: Staged) -> None:
+        """Keep s's staging file while work without a handle of its own uses it (see `handles`)."""
+        s.handles += 1
+
+    def unpin(self, s: Staged) -> None:
+        s.handles -= 1
+        self._maybe_retire(s)
 
     async def truncate(self, s: Staged, size: int) -> None:
+        if size > MAX_OBJECT_BYTES:  # as in write(): the store could never hold it
+            raise errors.fs_error(errors.EFBIG, "larger than the store's largest object (5 TiB)")
         async with s.lock:
-            await run_disk(os.ftruncate, s.fd, size)
-            if size < s.size:
+            s.high_water = max(s.high_water, s.size, size)
+            shrinks = size < s.size
+            s.shrinking += shrinks  # reads running meanwhile must know at once (core.read)
+            try:
+                await run_disk(os.ftruncate, s.fd, size)
+            finally:
+                s.shrinking -= shrinks
+            if shrinks:
                 s.appends_only = False
                 self._invalidate_stream(s, "truncated")
+                s.shrunk_at = time.monotonic()  # handles opened before now may read the old size
             s.size = size
             s.mtime_ns = time.time_ns()
             s.generation += 1
@@ -360,7 +413,14 @@ class Committer:
         s = node.staged
         if off >= s.size:
             return b""
-        return await run_disk(os.pread, s.fd, min(size, s.size - off), off)
+        # The reader's handle may predate the staging file (it opened the committed object): pin the
+        # file so a commit finishing meanwhile cannot close it - its fd number could be another
+        # file's by the time the read runs.
+        self.pin(s)
+        try:
+            return await run_disk(os.pread, s.fd, min(size, s.size - off), off)
+        finally:
+            self.unpin(s)
 
     # -- close / fsync ----------------------------------------------------------------------------
     async def flush(self, s: Staged) -> None:
@@ -392,6 +452,7 @@ class Committer:
     async def fsync(self, s: Staged) -> None:
         """Return once the file's current content is in the store (or its commit failed)."""
         s.fsync_waiters += 1  # before anything is queued: a stream must not wait for the last close
+        self.pin(s)  # fsync of a directory holds no handle of the file
         try:
             if s.error is not None:
                 s.error = None  # asked again: try again (the cause may be fixed by now)
@@ -406,6 +467,7 @@ class Committer:
                 await s.progress.wait()
         finally:
             s.fsync_waiters -= 1
+            self.unpin(s)
 
     async def fsync_tree(self, node: Inode) -> None:
         """fsync on a directory: wait for everything pending beneath it."""
@@ -478,7 +540,9 @@ class Committer:
             return
         log.error("commit of %s failed permanently: %s; the data stays staged in %s", path, e, s.path)
         self.stats["failed"] += 1
-        s.error = errors.StoreError(e.errno, f"commit failed: {e}", code=e.code, status=e.status, key=e.key)
+        # strerror, not str(e): the code, status and key are carried over and printed once.
+        s.error = errors.StoreError(e.errno, f"commit failed: {e.strerror}", code=e.code, status=e.status,
+                                    request_id=e.request_id, key=e.key)
         if s.rid is not None:
             self.journal.note_attempt_nowait(s.rid, s.attempts, str(e), failed=True)
         s.notify()
@@ -530,6 +594,7 @@ class Committer:
         node.mtime_ns = time.time_ns()
         node.attr_expires = time.monotonic() + self.cfg.metadata_ttl_s
         node.page_cache_etag = info.etag  # the kernel's pages are this content
+        self.core.note_changed(node)  # listings and probes still on their way must not undo this
         s.committed_generation = max(s.committed_generation, gen)
         s.attempts = 0
         s.error = None
@@ -645,6 +710,7 @@ class Committer:
             st.next_off += ps
             st.inflight += 1
             st.idle = trio.Event() if st.idle.is_set() else st.idle
+            self.pin(s)  # the part is read from the file later, maybe after the last close
             self._nursery.start_soon(self._stream_part, s, st, n, off, ps)
 
     async def _create_stream(self, s: Staged, st: Stream) -> None:
@@ -692,6 +758,7 @@ class Committer:
             st.inflight -= 1
             if st.inflight == 0:
                 st.idle.set()
+            self.unpin(s)
 
     def _invalidate_stream(self, s: Staged, why: str) -> None:
         st = s.stream
@@ -779,23 +846,25 @@ class Committer:
             await self.journal.rename(s.rid, path)
 
     def _maybe_retire(self, s: Staged) -> None:
-        """Remove the staging file once it is committed (or dropped) and no handle has it open."""
-        if s.handles > 0 or s.commit_lock.locked() or (s.dirty and not s.dropped):
+        """Remove the staging file once it is committed (or dropped) and no handle has it open.
+
+        Once only: a second close of its fd would close whatever file has that number by then."""
+        if s.retired or s.handles > 0 or s.commit_lock.locked() or (s.dirty and not s.dropped):
             return
+        s.retired = True
         node = s.node
         if node.staged is s:
             node.staged = None
         if self.staged.get(node.ino) is s:
             del self.staged[node.ino]
         self._invalidate_stream(s, "retired")
-        try:
-            os.close(s.fd)
-        except OSError:
-            pass
-        try:
-            os.unlink(s.path)
-        except FileNotFoundError:
-            pass
+        if self._nursery is not None:
+            # Off the event loop: on ext4 the close of a file that was truncated and written again
+            # starts its writeback (auto_da_alloc), measured at 100-300 ms on a busy disk, during
+            # which every FUSE request would wait. The fd stays ours until the thread closes it.
+            self._nursery.start_soon(run_disk, _close_and_remove, s.fd, s.path)
+        else:
+            _close_and_remove(s.fd, s.path)
         if s.rid is not None:
             self.journal.remove_nowait(s.rid)
             s.rid = None

@@ -20,7 +20,8 @@ import logging
 import os
 import stat as stat_mod
 import time
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import trio
@@ -32,10 +33,14 @@ from .catalog import Catalog, Volume
 from .config import MountConfig
 from .inodes import Entry, Inode, InodeTable, Kind, Listing
 from .prefetch import BufferPool, MemoryBudget, ObjectReader
+from .store import MAX_KEY_BYTES
 
 log = logging.getLogger(__name__)
 
 NAME_MAX_BYTES = 255
+# How long a local removal is remembered to screen store answers that were on their way when it
+# happened (see `Core._removed_at`): far longer than any store request may take with its retries.
+REMOVED_MEMORY_S = 600.0
 RENAME_NOREPLACE = 1  # linux/fs.h
 RENAME_EXCHANGE = 2
 
@@ -80,6 +85,7 @@ class _Shared:
     """One store request in flight whose answer several callers wait for."""
 
     def __init__(self) -> None:
+        self.started = time.monotonic()  # what the answer says is true as of (at least) this
         self.done = trio.Event()
         self.ok = False
         self.result: Any = None
@@ -90,6 +96,7 @@ class _Shared:
 class DirHandle:
     inode: Inode
     entries: list[tuple[str, Entry | Kind]]  # snapshot taken at opendir
+    opened_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass(eq=False)
@@ -100,6 +107,7 @@ class FileHandle:
     reader: ObjectReader | None = None
     writable: bool = False
     staged: Any = None  # the commit.Staged this handle keeps alive, if any
+    opened_at: float = field(default_factory=time.monotonic)
 
 
 class Core:
@@ -121,6 +129,13 @@ class Core:
         self._nursery: trio.Nursery | None = None
         self._probes: dict[tuple[str, str], _Shared] = {}
         self.committer = None  # set by mount when writes are enabled (commit.Committer)
+        # What this mount changed itself, and when (time.monotonic()). A store answer obtained
+        # before a local change - a listing, probe or HEAD still on its way when a commit, rename,
+        # create or unlink happened, or an opendir's snapshot read later - is older than what we
+        # know, and must not undo the change (stale attributes would serve an old version from the
+        # cache; a stale name would bring a deleted file back).
+        self._changed_at: weakref.WeakKeyDictionary[Inode, float] = weakref.WeakKeyDictionary()
+        self._removed_at: dict[tuple[int, str], float] = {}  # (parent inode, name) -> when
 
     def attach(self, nursery: trio.Nursery) -> None:
         """Background work (read-ahead, refreshes) runs in the mount's nursery."""
@@ -129,10 +144,44 @@ class Core:
     def store_for(self, volume: Volume) -> AsyncStore:
         return self.stores[volume.store.name]
 
+    # -- local changes versus store answers ------------------------------------------------------
+    def note_changed(self, node: Inode) -> None:
+        """node's attributes were just set by this mount (a commit, a rename, a create)."""
+        self._changed_at[node] = time.monotonic()
+
+    def _note_removed(self, parent: Inode, name: str) -> None:
+        now = time.monotonic()
+        self._removed_at[(parent.ino, name)] = now
+        if len(self._removed_at) > 10_000:
+            cutoff = now - REMOVED_MEMORY_S
+            self._removed_at = {k: t for k, t in self._removed_at.items() if t > cutoff}
+
+    def _changed_since(self, node: Inode, t: float) -> bool:
+        return self._changed_at.get(node, float("-inf")) > t
+
+    def _removed_since(self, parent: Inode, name: str, t: float) -> bool:
+        return self._removed_at.get((parent.ino, name), float("-inf")) > t
+
+    def _overlay_local(self, parent: Inode, entries: dict[str, Entry], since: float) -> None:
+        """Bring a listing the store gave as of `since` up to date with what we changed since."""
+        for name in [n for n in entries if self._removed_since(parent, n, since)]:
+            if name not in parent.children_by_name:
+                del entries[name]
+        for name, child in parent.children_by_name.items():
+            if not self._changed_since(child, since):
+                continue
+            if child.kind is Kind.FILE and child.etag:
+                entries[name] = Entry(False, child.size, child.etag, child.mtime_ns)
+            elif child.kind is Kind.DIR:
+                entries.setdefault(name, Entry(True, mtime_ns=child.mtime_ns))
+
     # -- attributes -----------------------------------------------------------------------------
     def _ttl(self, node: Inode) -> float:
-        if node.kind.synthetic and self.cfg.allow_other:
-            return 0.0  # visibility depends on the caller; the kernel must ask every time
+        if (node.kind.synthetic or node.kind is Kind.VOLUME) and self.cfg.allow_other:
+            # Visibility depends on the caller; the kernel must ask every time. The volume's own
+            # entry too: grants are checked when its name is looked up, and a dentry the kernel kept
+            # from one user's lookup would let the next user walk in without asking.
+            return 0.0
         return self.cfg.metadata_ttl_s
 
     def attributes(self, node: Inode) -> Attributes:
@@ -223,19 +272,23 @@ class Core:
             await self.refresh_listing(parent)
             listing = parent.listing
         if listing is not None and listing.fresh(self.cfg.metadata_ttl_s):
+            # A listing is kept up to date with our own changes (see refresh_listing and commits).
             entry = listing.entries.get(name)
             if entry is None:
                 return self._pending_local(parent, name)
             return self._apply_entry(parent, name, entry)
-        entry = await self._probe(vol, key)
-        if entry is None:
-            return self._pending_local(parent, name)
-        return self._apply_entry(parent, name, entry)
+        entry, seen_at = await self._probe(vol, key)
+        if entry is None or self._removed_since(parent, name, seen_at):
+            return self._pending_local(parent, name, seen_at)
+        return self._apply_entry(parent, name, entry, seen_at)
 
-    def _pending_local(self, parent: Inode, name: str) -> Inode | None:
-        """A name the store does not know may still exist here (created, not yet committed)."""
+    def _pending_local(self, parent: Inode, name: str, seen_at: float | None = None) -> Inode | None:
+        """A name the store does not know may still exist here (created, not yet committed; or
+        committed after the store was asked)."""
         node = parent.children_by_name.get(name)
         if node is not None and node.staged is not None:
+            return node
+        if node is not None and seen_at is not None and self._changed_since(node, seen_at):
             return node
         if node is not None:
             self.inodes.detach(node)
@@ -258,8 +311,9 @@ class Core:
         parent.hot_lookups += 1
         return parent.hot_lookups >= n // 1000 + 1
 
-    async def _probe(self, vol: Volume, key: str) -> Entry | None:
-        """What `key` is in the store: a directory (anything under key/), a file, or nothing.
+    async def _probe(self, vol: Volume, key: str) -> tuple[Entry | None, float]:
+        """What `key` is in the store: a directory (anything under key/), a file, or nothing; and
+        since when that answer holds (when its requests were sent).
 
         Concurrent probes of one key share one pair of requests (64 parallel copies that all
         look up the same directory cost one probe, not 64)."""
@@ -269,14 +323,14 @@ class Core:
             if shared.error is not None:
                 raise shared.error
             if shared.ok:
-                return shared.result
+                return shared.result, shared.started
             # Its owner was cancelled before an answer came: ask again.
         shared = _Shared()
         self._probes[ident] = shared
         try:
             shared.result = await self._probe_store(vol, key)
             shared.ok = True
-            return shared.result
+            return shared.result, shared.started
         except Exception as e:
             shared.error = e
             raise
@@ -310,10 +364,15 @@ class Core:
             return Entry(False, info.size, info.etag, info.mtime_ns)
         return None
 
-    def _apply_entry(self, parent: Inode, name: str, entry: Entry) -> Inode:
+    def _apply_entry(self, parent: Inode, name: str, entry: Entry, seen_at: float | None = None) -> Inode:
+        """The inode for a store entry, with the entry's attributes unless they are older (as of
+        `seen_at`) than what this mount itself set since."""
         kind = Kind.DIR if entry.is_dir else Kind.FILE
         node = parent.children_by_name.get(name)
         if node is not None and node.staged is not None:
+            return node
+        if (node is not None and node.kind is kind and seen_at is not None
+                and self._changed_since(node, seen_at)):
             return node
         node = self.inodes.add_child(parent, name, kind, parent.volume)
         if kind is Kind.FILE:
@@ -333,7 +392,9 @@ class Core:
         done = trio.Event()
         parent.listing_refresh = done
         try:
+            started = time.monotonic()
             entries, marker = await self._list_all(parent)
+            self._overlay_local(parent, entries, started)
             parent.listing = Listing(entries, time.monotonic(), marker)
             self._reconcile(parent, entries)
             return parent.listing
@@ -437,7 +498,13 @@ class Core:
                     vol = self.catalog.volume(parent.parent.name, parent.name, name)
                 node = self.inodes.add_child(parent, name, what, vol)
             else:
-                node = self._apply_entry(parent, name, what)
+                # The snapshot fixed which names this handle lists; their attributes come from
+                # what we know now, so a listing read long after opendir shows no state older
+                # than our own changes since (a commit, an unlink).
+                if self._removed_since(parent, name, h.opened_at) and name not in parent.children_by_name:
+                    continue
+                current = parent.listing.entries.get(name) if parent.listing is not None else None
+                node = self._apply_entry(parent, name, current or what, h.opened_at)
             yield idx, name, self.attributes(node)
 
     def entry_accepted(self, ino: int, accepted: bool) -> None:
@@ -472,15 +539,20 @@ class Core:
             await parent.listing_refresh.wait()
             if node.attrs_fresh():
                 return
+        started = time.monotonic()
         try:
             info = await self.store_for(node.volume).head(node.volume.bucket, node.key)
         except errors.StoreError as e:
+            if e.errno == errors.ENOENT and self._changed_since(node, started):
+                return  # committed by us while the HEAD was on its way
             if e.errno == errors.ENOENT:
                 # Deleted elsewhere. Existing handles keep what they have; new lookups see ENOENT.
                 self.inodes.detach(node)
                 node.deleted = True
                 raise errors.fs_error(errors.ENOENT, "deleted in the store") from None
             raise
+        if self._changed_since(node, started):
+            return  # we changed it while the HEAD was on its way: what we know is newer
         node.size, node.etag, node.mtime_ns = info.size, info.etag, info.mtime_ns
         node.attr_expires = time.monotonic() + self.cfg.metadata_ttl_s
 
@@ -545,7 +617,16 @@ class Core:
         node = h.inode
         if node.staged is not None:
             # Read-your-writes: local data not yet committed is the file's content.
-            return await self.committer.read_staged(node, off, size)
+            s = node.staged
+            data = await self.committer.read_staged(node, off, size)
+            if (len(data) < size and (s.shrinking or h.opened_at < s.shrunk_at)
+                    and off + len(data) < min(off + size, s.high_water)):
+                # The file was truncated (rewritten) while this handle was open, and this read was
+                # asked for when it was longer. A short answer inside the size the kernel may still
+                # believe is filled with zeros by the kernel - bytes of no version of the file - so
+                # say that the file changed instead.
+                raise errors.fs_error(errors.ESTALE, "file was truncated while open")
+            return data
         if h.version is None:
             # Opened while the file was local only; it has been committed since.
             h.version, h.size = self._version(node), node.size
@@ -558,11 +639,24 @@ class Core:
                                     version=h.version, size=h.size, cache=self.cache, budget=self.budget,
                                     cfg=self.cfg, nursery=self._nursery, stats=self.stats, pool=self.pool)
         self.stats["reads"] += 1
+        self._check_page_cache(node, h.version)
         try:
-            return await h.reader.read(off, size)
+            data = await h.reader.read(off, size)
         except errors.StaleError:
             node.attr_expires = 0.0  # the next open looks again
             raise
+        self._check_page_cache(node, h.version)  # a newer open may have come while we fetched
+        return data
+
+    @staticmethod
+    def _check_page_cache(node: Inode, version: ObjectVersion) -> None:
+        """A handle may read its own version only while the kernel's page cache of the inode holds
+        that version. Once a newer version was opened here (the kernel dropped the old pages then)
+        or written here, every reply of this handle would put old bytes into the cache that the
+        newer readers share: they would read the old version. So the old handle gets ESTALE
+        (README "Semantics": Reads)."""
+        if node.page_cache_etag is not None and node.page_cache_etag != version.etag:
+            raise errors.fs_error(errors.ESTALE, "file changed since it was opened")
 
     async def release(self, fh: int) -> None:
         h = self._handles.pop(fh, None)
@@ -616,6 +710,7 @@ class Core:
             staged = await self.committer.stage(node, truncate=True)
         node.deleted = False
         node.lookups += 1
+        self.note_changed(node)
         fh = self._staged_handle(node, staged, (flags & os.O_ACCMODE) != os.O_RDONLY)
         self.stats["creates"] += 1
         return fh, self.attributes(node)
@@ -656,11 +751,16 @@ class Core:
                 raise errors.fs_error(errors.EISDIR)
             self._writer(caller, node)
             staged = node.staged or await self.committer.stage(node, truncate=size == 0)
-            if staged.size != size or size == 0:
-                await self.committer.truncate(staged, size)
-            if staged.writers == 0:
-                await self.committer.flush(staged)  # truncate(1) without an open file: commit it
-                self.committer._maybe_retire(staged)
+            # truncate(1), or the kernel's O_TRUNC before an open, holds no handle: pin the staging
+            # file so a commit finishing meanwhile cannot retire it under us.
+            self.committer.pin(staged)
+            try:
+                if staged.size != size or size == 0:
+                    await self.committer.truncate(staged, size)
+                if staged.writers == 0:
+                    await self.committer.flush(staged)  # no open file: commit it
+            finally:
+                self.committer.unpin(staged)
         if mtime_ns is not None and node.staged is not None:
             node.staged.mtime_ns = mtime_ns
         # Modes and owners are not kept by an object store; accepting them lets cp -a, rsync and tar work.
@@ -677,6 +777,7 @@ class Core:
         node.mtime_ns = time.time_ns()
         node.attr_expires = time.monotonic() + self.cfg.metadata_ttl_s
         node.listing = Listing({}, time.monotonic())
+        self.note_changed(node)
         node.lookups += 1
         if parent.listing is not None:
             parent.listing.entries[name] = Entry(True, mtime_ns=node.mtime_ns)
@@ -701,6 +802,7 @@ class Core:
     async def _forget_name(self, parent: Inode, node: Inode) -> None:
         """node is gone from parent: drop it from caches, and keep parent itself alive in the store."""
         name = node.name
+        self._note_removed(parent, name)
         self.inodes.detach(node)
         node.deleted = True
         listing = parent.listing
@@ -777,6 +879,8 @@ class Core:
             new_parent.listing.entries[new_name] = (
                 Entry(True, mtime_ns=node.mtime_ns) if node.kind.is_dir
                 else Entry(False, node.size, node.etag, node.mtime_ns))
+        self._note_removed(old_parent, old_name)
+        self.note_changed(node)
         self.stats["renames"] += 1
 
     async def _rename_file(self, store: AsyncStore, vol: Volume, node: Inode, target: Inode | None,
@@ -798,10 +902,14 @@ class Core:
         # Local data: it is committed under the new name; whatever the old name held goes.
         had_remote = bool(node.etag)
         self.inodes.move(node, new_parent, new_name)
+        # The replaced file's object stays under the new name until our commit overwrites it. The
+        # node now stands for that object, so that an unlink (or another rename) before the commit
+        # deletes it: otherwise the old content would come back once the listing is refreshed. Set
+        # before any await: a commit finishing meanwhile records the new object's ETag here.
+        node.etag = target.etag if target is not None else ""
         await self.committer.renamed(node.staged)
         if had_remote:
             await store.delete(vol.bucket, old_key)
-            node.etag = ""
 
     async def _rename_dir(self, store: AsyncStore, vol: Volume, node: Inode, target: Inode | None,
                           new_parent: Inode, new_name: str) -> None:
@@ -824,6 +932,12 @@ class Core:
                 if token is None:
                     break
             staged_keys = {s.node.key for s in staged}
+            # A longer name may push keys beneath it past the store's limit. Find out before moving
+            # anything: failing half way would leave objects under both names.
+            for key in (*keys, *staged_keys):
+                if len((new_prefix + key[len(old_prefix):]).encode()) > MAX_KEY_BYTES:
+                    raise errors.fs_error(errors.ENAMETOOLONG, "a key beneath the renamed directory would "
+                                          f"be longer than {MAX_KEY_BYTES} bytes")
             limiter = trio.CapacityLimiter(32)
 
             async def copy(key: str) -> None:
@@ -844,6 +958,7 @@ class Core:
             self.inodes.move(node, new_parent, new_name)
             for s in staged:
                 s.node.etag = ""
+                self.note_changed(s.node)
                 await self.committer.renamed_locked(s)
 
         async def delete(key: str) -> None:

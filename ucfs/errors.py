@@ -73,11 +73,14 @@ _S3_CODE_ERRNO = {
     "PreconditionFailed": _errno.ESTALE,
     "412": _errno.ESTALE,
     "QuotaExceeded": _errno.EDQUOT,
-    "SlowDown": _errno.EAGAIN,
-    "Throttling": _errno.EAGAIN,
-    "ThrottlingException": _errno.EAGAIN,
+    # Throttling that outlasts the retry budget is an I/O error to the caller, not EAGAIN: on a
+    # blocking file EAGAIN reads as "no data yet" (Python's read() returns None, buffered readers
+    # return what they have), so a reader could take a short read for the whole file.
+    "SlowDown": _errno.EIO,
+    "Throttling": _errno.EIO,
+    "ThrottlingException": _errno.EIO,
     "RequestTimeout": _errno.ETIMEDOUT,
-    "ServiceUnavailable": _errno.EAGAIN,
+    "ServiceUnavailable": _errno.EIO,
     "InternalError": _errno.EIO,
 }
 
@@ -94,9 +97,7 @@ def errno_for_s3(code: str, status: int) -> int:
         return _errno.EACCES
     if status == 412:
         return _errno.ESTALE
-    if status == 429 or status == 503:
-        return _errno.EAGAIN
-    return _errno.EIO
+    return _errno.EIO  # 429 and 503 included: see SlowDown above
 
 
 def is_transient_s3(code: str, status: int) -> bool:

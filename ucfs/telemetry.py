@@ -1,8 +1,11 @@
 """What the daemon reports about itself: throughput, event-loop health, and a Prometheus endpoint.
 
-- `LoopWatchdog` wakes every 10 ms and records how late it woke. A late wake-up means something
+- `LoopWatchdog` wakes every 50 ms and records how late it woke. A late wake-up means something
   blocked the event loop (which must never happen: every FUSE request waits behind it), so the
-  largest stall is reported and long ones are logged.
+  largest stall is reported and long ones are logged. Each long stall is explained: a helper thread
+  samples the loop thread's stack while the stall is going on, and the kernel's scheduler counters
+  say how much of it the loop thread spent running, waiting for a CPU (a busy host), or neither
+  (blocked: the GIL, or a blocking call).
 - `RateSampler` turns the byte counters of the stores into recent throughput (a 10 s window).
 - `serve_metrics` answers `GET /metrics` on a loopback port in Prometheus's text format, built from the
   same figures `ucfs status` prints.
@@ -13,7 +16,10 @@ from __future__ import annotations
 import collections
 import gc
 import logging
+import sys
+import threading
 import time
+import traceback
 from typing import Callable
 
 import trio
@@ -26,6 +32,23 @@ log = logging.getLogger(__name__)
 WATCHDOG_PERIOD_S = 0.05
 # Stalls longer than this are logged as they happen.
 STALL_LOG_S = 0.1
+# How often the stall sampler thread looks whether the loop is overdue. Finer than the stalls we
+# explain, coarse enough to cost nothing measurable (it only reads a float).
+SAMPLER_PERIOD_S = 0.02
+# Frames of the loop thread's stack kept per sample (innermost last), enough to see what blocked.
+SAMPLE_FRAMES = 10
+
+
+def _schedstat(tid: int | None) -> tuple[int, int]:
+    """(ns on a CPU, ns runnable but waiting for a CPU) of one of our threads, from the kernel."""
+    if tid is None:
+        return 0, 0
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat") as f:
+            on_cpu, waiting, _ = f.read().split()
+        return int(on_cpu), int(waiting)
+    except (OSError, ValueError):
+        return 0, 0
 
 
 class LoopWatchdog:
@@ -37,6 +60,13 @@ class LoopWatchdog:
         self.max_gc_pause_s = 0.0
         self._gc_started = 0.0
         gc.callbacks.append(self._gc_callback)
+        # The latest long stalls, explained (see the module doc).
+        self.stall_samples: collections.deque[dict] = collections.deque(maxlen=32)
+        self._beat = time.monotonic()  # when the loop last went to sleep in `run`
+        self._loop_ident: int | None = None
+        self._loop_tid: int | None = None
+        self._sample: tuple[float, list[str]] | None = None  # (beat, stack) taken during a stall
+        self._running = False
 
     def _gc_callback(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -45,20 +75,69 @@ class LoopWatchdog:
             self.max_gc_pause_s = max(self.max_gc_pause_s, time.perf_counter() - self._gc_started)
 
     async def run(self) -> None:
-        while True:
-            t0 = time.monotonic()
-            await trio.sleep(WATCHDOG_PERIOD_S)
-            stall = time.monotonic() - t0 - WATCHDOG_PERIOD_S
-            if stall > self.max_stall_s:
-                self.max_stall_s = stall
-            if stall > STALL_LOG_S:
-                self.stalls_over_100ms += 1
-                log.warning("event loop stalled for %.0f ms", stall * 1000)
+        self._loop_ident = threading.get_ident()
+        self._loop_tid = threading.get_native_id()
+        self._running = True
+        threading.Thread(target=self._sample_stalls, name="ucfs-stall-sampler", daemon=True).start()
+        try:
+            while True:
+                t0 = time.monotonic()
+                self._beat = t0
+                cpu0, wait0 = _schedstat(self._loop_tid)
+                await trio.sleep(WATCHDOG_PERIOD_S)
+                stall = time.monotonic() - t0 - WATCHDOG_PERIOD_S
+                if stall > self.max_stall_s:
+                    self.max_stall_s = stall
+                if stall > STALL_LOG_S:
+                    self.stalls_over_100ms += 1
+                    cpu1, wait1 = _schedstat(self._loop_tid)
+                    self._explain(t0, stall, (cpu1 - cpu0) / 1e6, (wait1 - wait0) / 1e6)
+        finally:
+            self._running = False
+
+    def _explain(self, beat: float, stall_s: float, on_cpu_ms: float, cpu_wait_ms: float) -> None:
+        """Log a long stall with what the loop thread was doing meanwhile."""
+        window_ms = (stall_s + WATCHDOG_PERIOD_S) * 1000
+        stack = self._sample[1] if self._sample is not None and self._sample[0] == beat else []
+        sample = {"stall_ms": round(stall_s * 1000, 1), "on_cpu_ms": round(on_cpu_ms, 1),
+                  "waiting_for_cpu_ms": round(cpu_wait_ms, 1),
+                  "blocked_ms": round(max(0.0, window_ms - on_cpu_ms - cpu_wait_ms), 1),
+                  "stack": stack, "at": time.time()}
+        self.stall_samples.append(sample)
+        log.warning("event loop stalled for %.0f ms (loop thread on a CPU %.0f ms, waiting for a CPU "
+                    "%.0f ms, blocked %.0f ms)%s", sample["stall_ms"], on_cpu_ms, cpu_wait_ms, sample["blocked_ms"],
+                    "; it was at:\n  " + "\n  ".join(stack) if stack else "")
+
+    def _sample_stalls(self) -> None:
+        """Helper thread: while the loop is overdue, take one sample of its stack per stall."""
+        while self._running:
+            time.sleep(SAMPLER_PERIOD_S)
+            beat = self._beat
+            if time.monotonic() - beat < WATCHDOG_PERIOD_S + STALL_LOG_S * 0.8:
+                continue
+            if self._sample is not None and self._sample[0] == beat:
+                continue  # this stall has its sample
+            frame = sys._current_frames().get(self._loop_ident)
+            if frame is None:
+                continue
+            stack = [f"{_short(fs.filename)}:{fs.lineno} {fs.name}"
+                     for fs in traceback.extract_stack(frame)[-SAMPLE_FRAMES:]]
+            self._sample = (beat, stack)
 
     def statistics(self) -> dict:
         return {"loop_max_stall_ms": round(self.max_stall_s * 1000, 1),
                 "loop_stalls_over_100ms": self.stalls_over_100ms,
-                "gc_max_pause_ms": round(self.max_gc_pause_s * 1000, 1)}
+                "gc_max_pause_ms": round(self.max_gc_pause_s * 1000, 1),
+                "loop_stall_samples": list(self.stall_samples)}
+
+
+def _short(filename: str) -> str:
+    """'/.../site-packages/trio/_core/_run.py' -> 'trio/_core/_run.py': enough to know the code."""
+    for marker in ("/site-packages/", "/lib/python3"):
+        if marker in filename:
+            return filename.split(marker, 1)[1]
+    parts = filename.rsplit("/", 2)
+    return "/".join(parts[-2:])
 
 
 class RateSampler:
@@ -82,7 +161,8 @@ class RateSampler:
 
     def rates(self) -> dict[str, float]:
         if len(self._samples) < 2:
-            return {}
+            # Just started: no rate yet, but say so with zeros rather than leave the figures out.
+            return {k: 0.0 for k in (self._samples[-1][1] if self._samples else self.totals())}
         (t0, a), (t1, b) = self._samples[0], self._samples[-1]
         dt = max(t1 - t0, 1e-9)
         return {k: round((b.get(k, 0) - a.get(k, 0)) / dt, 1) for k in b}

@@ -1,0 +1,332 @@
+"""Bad input through a real mount (README "Semantics": Namespace, Reads, Durability; issue 5 "Bad input").
+
+Names and keys that are too long, files larger than the store allows, a full cache disk, damaged cache
+blocks, a damaged commit journal and malformed catalogs: each gets a clear error, and none of them
+loses data that was already promised (closed) or serves bytes that are not the object's.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support import REPO, wait_until
+
+MiB = 1 << 20
+KiB = 1 << 10
+TiB = 1 << 40
+
+
+def obj(s3, bucket, key) -> bytes:
+    return s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+
+
+def keys(s3, bucket, prefix) -> list[str]:
+    out = []
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        out.extend(o["Key"] for o in page.get("Contents", ()))
+    return sorted(out)
+
+
+def sync_dir(path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def errno_of(fn) -> int | None:
+    try:
+        fn()
+    except OSError as e:
+        return e.errno
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Names, keys and sizes
+
+
+def test_names_over_255_bytes_are_enametoolong(mount, s3, bucket, prefix):
+    v = mount.path()
+    long_ascii = "n" * 256
+    long_utf8 = "é" * 128  # 128 characters, 256 bytes: the limit is in bytes
+    for name in (long_ascii, long_utf8):
+        assert errno_of(lambda: os.stat(v / name)) == errno.ENAMETOOLONG
+        assert errno_of(lambda: open(v / name, "wb")) == errno.ENAMETOOLONG
+        assert errno_of(lambda: os.mkdir(v / name)) == errno.ENAMETOOLONG
+    (v / "ok.txt").write_bytes(b"x")
+    assert errno_of(lambda: os.rename(v / "ok.txt", v / long_ascii)) == errno.ENAMETOOLONG
+    (v / ("m" * 255)).write_bytes(b"255 bytes is fine")
+    sync_dir(v)
+    assert keys(s3, bucket, f"{prefix}/vol/") == sorted([f"{prefix}/vol/ok.txt", f"{prefix}/vol/{'m' * 255}"])
+
+
+def test_keys_over_1024_bytes_are_enametoolong_and_never_half_made(mount, s3, bucket, prefix):
+    v = mount.path()
+    base = f"{prefix}/vol/"
+    seg = "d" * 200
+    # Directories nest until the key (bucket prefix included) would pass 1,024 bytes.
+    path, depth = v, 0
+    while len((base + "/".join([seg] * (depth + 1)) + "/").encode()) <= 1024:
+        path = path / seg
+        path.mkdir()
+        depth += 1
+    assert errno_of(lambda: (path / seg).mkdir()) == errno.ENAMETOOLONG
+    room = 1024 - len((base + "/".join([seg] * depth) + "/").encode())
+    assert errno_of(lambda: open(path / ("f" * (room + 1)), "wb")) == errno.ENAMETOOLONG
+    (path / ("f" * room)).write_bytes(b"exactly 1024")  # the longest key there is
+    # Renaming a directory to a longer name would push that file's key over the limit: refused
+    # before anything moves, so the store never holds half a renamed tree.
+    top = v / seg
+    (top / "other.txt").write_bytes(b"other")
+    sync_dir(v)
+    before = keys(s3, bucket, base)
+    assert errno_of(lambda: os.rename(top, v / (seg + "x"))) == errno.ENAMETOOLONG
+    sync_dir(v)
+    assert keys(s3, bucket, base) == before
+    assert max(len(k.encode()) for k in before) == 1024
+    assert (path / ("f" * room)).read_bytes() == b"exactly 1024"
+
+
+def test_a_file_larger_than_the_store_allows_is_efbig(mount, s3, bucket, prefix):
+    p = mount.path() / "huge.bin"
+    fd = os.open(p, os.O_CREAT | os.O_WRONLY | os.O_TRUNC)
+    try:
+        os.write(fd, b"head")
+        # pwrite beyond 5 TiB costs nothing locally (the staging file would be sparse) but could
+        # never be committed: refused at once.
+        assert errno_of(lambda: os.pwrite(fd, b"x", 5 * TiB)) == errno.EFBIG
+        assert errno_of(lambda: os.ftruncate(fd, 5 * TiB + 1)) == errno.EFBIG
+        assert errno_of(lambda: os.truncate(p, 6 * TiB)) == errno.EFBIG
+    finally:
+        os.close(fd)
+    assert os.stat(p).st_size == 4
+    sync_dir(mount.path())
+    assert obj(s3, bucket, f"{prefix}/vol/huge.bin") == b"head"
+    assert mount.status()["commits"]["failed"] == 0
+
+
+# --------------------------------------------------------------------------------------------------
+# A full cache disk
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 48 MiB tmpfs of our own to fill up (root only)."""
+    d = tmp_path / "smalldisk"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m,mode=0700", "tmpfs", str(d)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    yield d
+    subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+def fill(path: Path) -> int:
+    """Write to `path` until the disk is full; returns the bytes written."""
+    n = 0
+    chunk = b"\0" * MiB
+    with open(path, "wb", buffering=0) as f:
+        while True:
+            try:
+                n += f.write(chunk)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+                break
+        for size in (64 * KiB, 4 * KiB, 512):
+            while True:
+                try:
+                    n += f.write(b"\0" * size)
+                except OSError:
+                    break
+    return n
+
+
+def test_a_full_cache_disk_refuses_new_writes_keeps_closed_files_and_reads_uncached(
+        fault_proxy, small_disk, mount_factory, s3, bucket, prefix):
+    state = small_disk / "state"
+    m = mount_factory(args=("--cache-dir", str(state), "--min-free", "8M", "--cache-size", "1G"),
+                      endpoint=fault_proxy.endpoint)
+    v = m.path()
+    big = os.urandom(20 * MiB)  # more than the disk has room for once it is full
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/big.bin", Body=big)
+    # Closed files whose commits cannot happen yet: the store refuses writes for now.
+    hold = fault_proxy.fail(503, method="PUT|POST")
+    closed = {f"c{i}.bin": os.urandom(512 * KiB + i) for i in range(6)}
+    for name, data in closed.items():
+        (v / name).write_bytes(data)
+    assert m.status()["commits"]["pending"] == len(closed)
+
+    filled = fill(small_disk / "filler")
+    # New writes are refused with ENOSPC (at open, or at the first write).
+    def new_write():
+        with open(v / "new.bin", "wb") as f:
+            f.write(os.urandom(MiB))
+    assert errno_of(new_write) == errno.ENOSPC
+    # Closed files are still there, read back from staging.
+    for name, data in closed.items():
+        assert (v / name).read_bytes() == data
+    # Reads go on, served without the cache.
+    skipped_before = m.status()["cache"].get("skipped", 0)
+    assert (v / "big.bin").read_bytes() == big
+    cache = m.status()["cache"]
+    assert cache.get("skipped", 0) > skipped_before
+    assert os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize < 8 * MiB
+
+    # Room again and the store back: every closed file is committed, and new writes work.
+    os.unlink(small_disk / "filler")
+    hold.disable()
+    (v / "after.bin").write_bytes(b"room again")
+    sync_dir(v)
+    for name, data in closed.items():
+        assert obj(s3, bucket, f"{prefix}/vol/{name}") == data
+    assert obj(s3, bucket, f"{prefix}/vol/after.bin") == b"room again"
+    print(f"\n[bad input] full disk: filled {filled / MiB:.1f} MiB; {len(closed)} closed files kept; "
+          f"cache {cache}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Damaged local state
+
+
+def test_a_corrupted_cache_block_is_detected_and_fetched_again(mount, s3, bucket, prefix):
+    data = os.urandom(12 * MiB + 5)
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/c.bin", Body=data)
+    assert (mount.path() / "c.bin").read_bytes() == data
+    mount.stop()
+    segments = sorted(p for p in (mount.state_dir / "cache" / "v3").glob("*/*") if not p.name.startswith("."))
+    assert segments
+    # Flip bytes in the data of every segment, and in the header of one.
+    for seg in segments:
+        with open(seg, "r+b") as f:
+            f.seek(4096 + 1000)
+            b = f.read(16)
+            f.seek(4096 + 1000)
+            f.write(bytes(x ^ 0xFF for x in b))
+    with open(segments[0], "r+b") as f:
+        f.seek(8)
+        f.write(b"\xff\xff")
+    mount.start()
+    assert (mount.path() / "c.bin").read_bytes() == data
+    st = mount.status()
+    assert st["cache"]["corrupt"] >= 1
+    assert mount.store_stats().get("get", 0) >= 1  # fetched again
+    # The good copies are written to the cache in the background: let them land before unmounting.
+    assert wait_until(lambda: mount.status()["cache"]["blocks"] >= -(-len(data) // MiB), timeout=20)
+    mount.stop()
+    mount.start()
+    assert (mount.path() / "c.bin").read_bytes() == data  # the good copy was cached in their place
+    assert mount.store_stats().get("get", 0) == 0
+    print(f"\n[bad input] corrupted cache: {len(segments)} segments damaged, {st['cache']['corrupt']} detected")
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_a_damaged_journal_is_a_clear_message_and_staged_data_is_kept(fault_proxy, mount_factory, s3, bucket,
+                                                                       prefix, damage):
+    m = mount_factory(endpoint=fault_proxy.endpoint)
+    v = m.path()
+    fault_proxy.fail(503, method="PUT|POST")  # commits stay pending
+    files = {f"j{i}.bin": os.urandom(100 * KiB + i) for i in range(10)}
+    for name, data in files.items():
+        (v / name).write_bytes(data)
+    assert m.status()["commits"]["pending"] == len(files)
+    m.kill()  # the daemon dies with every commit pending
+    fault_proxy.clear()
+    journal = m.state_dir / "journal.sqlite3"
+    staging = m.state_dir / "staging"
+    # Fold the write-ahead log in first, as a clean sqlite would, so the damage hits the records.
+    import sqlite3
+    db = sqlite3.connect(journal)
+    db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    db.close()
+    size = journal.stat().st_size
+    with open(journal, "r+b") as f:
+        if damage == "garbage":
+            f.seek(0)
+            f.write(os.urandom(200))  # the header and the start of the first page
+        else:
+            f.truncate(size // 2 + 100)  # cut in the middle of a page
+    staged_before = {p.name: p.read_bytes() for p in staging.iterdir()}
+    assert sorted(staged_before.values()) == sorted(files.values())
+
+    with pytest.raises(RuntimeError) as e:
+        m.start(timeout=60)
+    message = str(e.value)
+    assert "journal" in message and str(journal) in message, message
+    assert "staging" in message  # says where the data is
+    assert m.proc is not None and m.proc.returncode == 1
+    assert "Traceback" not in m.log_path.read_text()
+    # Nothing was deleted or moved.
+    assert {p.name: p.read_bytes() for p in staging.iterdir()} == staged_before
+    m.proc = None
+
+    # Doing what the message says recovers everything by hand: the files wait in orphans/.
+    journal.rename(journal.with_suffix(".sqlite3.damaged"))
+    for extra in ("journal.sqlite3-wal", "journal.sqlite3-shm"):
+        (m.state_dir / extra).unlink(missing_ok=True)
+    m.start()
+    orphans = {p.read_bytes() for p in (m.state_dir / "orphans").iterdir()}
+    assert orphans == set(files.values())
+    print(f"\n[bad input] {damage} journal: {len(files)} staged files kept; message: {message.splitlines()[-1]}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Malformed catalogs
+
+
+GOOD = """\
+[stores.s]
+endpoint_url = "http://127.0.0.1:1"
+
+[volumes."a.b.cd"]
+location = "s3://bucket/cd"
+store = "s"
+
+"""
+
+CATALOGS = {
+    # name: (catalog text, line the message must name, words it must contain)
+    "toml syntax": (GOOD + '[volumes."a.b.c"]\nlocation = "s3://bucket/x\n', 9, "TOML"),
+    "unknown volume key": (GOOD + '[volumes."a.b.c"]\nlocation = "s3://b/x"\nstore = "s"\nreadonly = true\n',
+                           11, "readonly"),
+    "read_only not a bool": (GOOD + '[volumes."a.b.c"]\nlocation = "s3://b/x"\nstore = "s"\nread_only = "yes"\n',
+                             11, "read_only"),
+    "unknown user": (GOOD + '[volumes."a.b.c"]\nlocation = "s3://b/x"\nstore = "s"\n'
+                            'writers = ["no-such-user-ucfs"]\n', 11, "no-such-user-ucfs"),
+    "missing store": (GOOD + '[volumes."a.b.c"]\nlocation = "s3://b/x"\nstore = "nope"\n', 10, "nope"),
+    "no location": (GOOD + '[volumes."a.b.c"]\nstore = "s"\n', 8, "location"),
+    "bad volume name": (GOOD + '[volumes."a.b"]\nlocation = "s3://b/x"\n', 8, "catalog.schema.volume"),
+    "relative path": (GOOD + '[volumes."a.b.c"]\nlocation = "data/x"\n', 9, "absolute"),
+    "store key type": ('[stores.s]\nendpoint_url = 9000\n\n[volumes."a.b.c"]\nlocation = "s3://b/x"\n'
+                       'store = "s"\n', 2, "endpoint_url"),
+    "not utf-8": (GOOD.encode() + b'[volumes."a.b.c"]\nlocation = "s3://b/\xff"\n', 9, "UTF-8"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CATALOGS))
+def test_a_malformed_catalog_is_one_message_naming_file_and_line(tmp_path, case):
+    text, line, words = CATALOGS[case]
+    cat = tmp_path / "bad catalog.toml"  # a space in the name, to be sure it is quoted whole
+    cat.write_bytes(text if isinstance(text, bytes) else text.encode())
+    mnt = tmp_path / "mnt"
+    try:
+        r = subprocess.run([sys.executable, "-m", "ucfs", "mount", str(mnt), "--config", str(cat), "--foreground",
+                            "--cache-dir", str(tmp_path / "state")], capture_output=True, text=True, timeout=60,
+                           cwd=REPO)
+    finally:
+        if os.path.ismount(mnt):
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr  # one message, no traceback
+    assert lines[0].startswith(f"ucfs: {cat}:{line}: "), lines[0]
+    assert words in lines[0], lines[0]
+    assert not (tmp_path / "state").exists()  # refused before anything was made

@@ -1,0 +1,299 @@
+"""Bounded resources and the live view (issue 5 "Bounded resources", "A live view").
+
+The daemon is watched from outside while it works: its memory (VmRSS/VmHWM), threads and TCP
+connections to the store from /proc, its cache from `ucfs status` and `du`. The figures are printed
+(-s shows them) for the issue's closing note.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import urllib.request
+
+import pytest
+
+from tests.support import REPO, wait_until
+
+MiB = 1 << 20
+KiB = 1 << 10
+
+
+def proc_status(pid: int) -> dict[str, int]:
+    """The numeric fields of /proc/<pid>/status we watch (kB fields in bytes)."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            if name in ("VmRSS", "VmHWM"):
+                out[name] = int(value.split()[0]) * 1024
+            elif name == "Threads":
+                out[name] = int(value)
+    return out
+
+
+def store_connections(pid: int, port: int) -> int:
+    """TCP connections of process `pid` to local port `port` (the store), from /proc."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    n = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    fields = line.split()
+                    remote_port = int(fields[2].rsplit(":", 1)[1], 16)
+                    if fields[9] in inodes and remote_port == port and fields[3] != "0A":  # 0A: LISTEN
+                        n += 1
+        except FileNotFoundError:
+            pass
+    return n
+
+
+def mapped_buffers(pid: int) -> int:
+    """Resident bytes in anonymous shared mappings (mmap(-1), shown as /dev/zero): the read path's
+    pooled, page-aligned GET buffers."""
+    total, name = 0, ""
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if "-" in parts[0] and not parts[0].endswith(":"):
+                name = parts[5] if len(parts) > 5 else ""
+            elif parts[0] == "Rss:" and name == "/dev/zero":
+                total += int(parts[1]) * 1024
+    return total
+
+
+def du_bytes(path) -> int:
+    # Not check=True: du complains (and exits 1) about a file evicted while it counts, but its
+    # total is still right for what was there.
+    out = subprocess.run(["du", "-sb", str(path)], capture_output=True, text=True).stdout
+    return int(out.split()[0])
+
+
+class Watcher(threading.Thread):
+    """Samples the daemon every 50 ms (the cache every 0.5 s) until stopped; keeps the maxima."""
+
+    def __init__(self, mount, store_port: int):
+        super().__init__(daemon=True)
+        self.mount, self.pid, self.port = mount, mount.proc.pid, store_port
+        self.stop_event = threading.Event()
+        self.max = {"VmRSS": 0, "Threads": 0, "connections": 0, "cache_used": 0}
+        self.at_peak: dict[str, int] = {}  # what the memory was made of at the highest RSS
+        self.samples = 0
+
+    def run(self) -> None:
+        last_cache = 0.0
+        while not self.stop_event.is_set():
+            st = proc_status(self.pid)
+            st["connections"] = store_connections(self.pid, self.port)
+            if time.monotonic() - last_cache > 0.5:
+                st["cache_used"] = self.mount.status()["cache"]["used_bytes"]
+                last_cache = time.monotonic()
+            if st["VmRSS"] > self.max["VmRSS"]:
+                self.at_peak = {"mapped_buffers": mapped_buffers(self.pid),
+                                "budget_used": self.mount.status()["readahead_bytes"]}
+            for k, v in st.items():
+                if k in self.max:
+                    self.max[k] = max(self.max[k], v)
+            self.samples += 1
+            time.sleep(0.05)
+
+    def stop(self) -> dict:
+        self.stop_event.set()
+        self.join(timeout=10)
+        return self.max
+
+
+def chunk_for(writer: int, index: int, block: bytes) -> bytes:
+    """1 MiB of writer `writer`'s file at `index`: unique per (writer, index), cheap to make."""
+    return f"{writer:04d}:{index:06d}:".encode() + block[12:]
+
+
+@pytest.mark.slow
+def test_memory_threads_connections_and_cache_stay_bounded(mount_factory, s3_endpoint, s3, bucket, prefix):
+    """32 large files read and 8 written at once, under a 128 MiB memory budget and a 64 MiB cache.
+
+    The bound on memory: the daemon's resident size never exceeds what it had idle after mounting
+    plus the memory budget. The budget covers every byte of file data the daemon holds (read-ahead,
+    reads in flight, upload buffers); the baseline covers the interpreter, libraries and fixed
+    structures. Anything that grows with the load beyond the budget (buffers outside it, allocator
+    waste) shows up as a breach.
+
+    The budget (--memory-budget) sets aside the FUSE request buffers first (one of 1 MiB + 4 KiB per
+    worker task) and gives the rest to file data: read-ahead, reads in flight, pooled GET buffers,
+    upload parts (MountConfig.data_budget_bytes).
+    """
+    budget, cache_limit, concurrency = 128 * MiB, 64 * MiB, 64
+    readers, writers, read_size, write_size = 32, 8, 24 * MiB, 48 * MiB
+    files = {f"{prefix}/vol/r/{i:02d}.bin": os.urandom(read_size) for i in range(readers)}
+    with concurrent.futures.ThreadPoolExecutor(16) as ex:
+        list(ex.map(lambda kv: s3.put_object(Bucket=bucket, Key=kv[0], Body=kv[1]), files.items()))
+    digests = {k: hashlib.sha256(v).hexdigest() for k, v in files.items()}
+    del files
+    m = mount_factory(args=("--memory-budget", "128M", "--cache-size", "64M"))
+    v = m.path()
+    os.listdir(v / "r")
+    time.sleep(2)  # settle: the cache scan and first requests are done
+    baseline = proc_status(m.proc.pid)
+    port = urllib.parse.urlsplit(s3_endpoint.url).port
+    watcher = Watcher(m, port)
+    watcher.start()
+
+    block = os.urandom(MiB)
+    written: dict[str, str] = {}
+
+    def read_one(key: str) -> None:
+        h = hashlib.sha256()
+        with open(v / key.split("/vol/", 1)[1], "rb", buffering=0) as f:
+            while chunk := f.read(MiB):
+                h.update(chunk)
+        assert h.hexdigest() == digests[key], key
+
+    def write_one(w: int) -> None:
+        h = hashlib.sha256()
+        with open(v / f"w{w}.bin", "wb", buffering=0) as f:
+            for i in range(write_size // MiB):
+                c = chunk_for(w, i, block)
+                f.write(c)
+                h.update(c)
+        written[f"w{w}.bin"] = h.hexdigest()
+
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(readers + writers) as ex:
+        futures = [ex.submit(read_one, k) for k in digests] + [ex.submit(write_one, w) for w in range(writers)]
+        for fut in futures:
+            fut.result()
+    fd = os.open(v, os.O_RDONLY | os.O_DIRECTORY)
+    os.fsync(fd)  # every upload done: its buffers counted too
+    os.close(fd)
+    elapsed = time.monotonic() - t0
+    peak = watcher.stop()
+    final = proc_status(m.proc.pid)
+    status = m.status()
+
+    # Memory: the high-water mark covers moments between samples too.
+    rss_peak = max(peak["VmRSS"], final["VmHWM"])
+    figures = (f"baseline RSS {baseline['VmRSS'] / MiB:.0f} MiB, peak RSS {rss_peak / MiB:.0f} MiB "
+               f"(bound {(baseline['VmRSS'] + budget) / MiB:.0f} MiB), budget peak "
+               f"{status['readahead_peak_bytes'] / MiB:.0f} MiB; threads {baseline['Threads']} -> max "
+               f"{peak['Threads']}; store connections max {peak['connections']}; cache max "
+               f"{peak['cache_used'] / MiB:.1f} MiB of {cache_limit / MiB:.0f}; "
+               f"{readers * read_size / MiB:.0f} MiB read + {writers * write_size / MiB:.0f} MiB written in "
+               f"{elapsed:.1f} s; {watcher.samples} samples")
+    print(f"\n[resources] {figures}")
+    # Reads someone waits for are never refused (prefetch.py: refusing could deadlock). The kernel's
+    # own read-ahead (MountConfig.kernel_readahead_kib) sends that much per file at once, all of it
+    # "wanted now" for us: the count may pass the budget by a few MiB per reader.
+    assert status["readahead_peak_bytes"] <= budget + readers * 4 * MiB, figures
+    # Threads: the store's pool, the disk pool, the journal, a few of trio's and ours; not one per file.
+    assert peak["Threads"] <= concurrency + 16 + 12, figures
+    # Connections: the store client's pool, never one per request or per file.
+    assert peak["connections"] <= concurrency, figures
+    # The cache limit holds while everything runs, and on disk afterwards.
+    assert peak["cache_used"] <= cache_limit, figures
+    assert du_bytes(m.state_dir / "cache") <= cache_limit + 256 * KiB, figures
+    # And the data is right.
+    for name, digest in written.items():
+        got = s3.get_object(Bucket=bucket, Key=f"{prefix}/vol/{name}")["Body"].read()
+        assert hashlib.sha256(got).hexdigest() == digest, name
+    # Last, the resident size.
+    assert rss_peak <= baseline["VmRSS"] + budget, (
+        f"{figures}; at the peak: anonymous shared buffers {watcher.at_peak.get('mapped_buffers', 0) / MiB:.0f} "
+        f"MiB, budget in use {watcher.at_peak.get('budget_used', 0) / MiB:.0f} MiB")
+
+
+# --------------------------------------------------------------------------------------------------
+# The live view
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        out[name] = float(value)
+    return out
+
+
+def test_status_and_metrics_show_the_live_figures(fault_proxy, mount_factory, s3, bucket, prefix):
+    port = _free_port()
+    m = mount_factory(args=("--metrics-port", str(port), "--store-timeout", "2"), endpoint=fault_proxy.endpoint)
+    v = m.path()
+    data = os.urandom(40 * MiB)
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/big.bin", Body=data)
+    # Read while watching: read-ahead in flight shows while the read runs.
+    inflight = []
+
+    def watch():
+        while not done.is_set():
+            inflight.append(m.status()["readahead_bytes"])
+            time.sleep(0.02)
+
+    done = threading.Event()
+    t = threading.Thread(target=watch)
+    t.start()
+    fault_proxy.fail(503, method="GET", path="big.bin", times=2)  # some retries to show
+    assert (v / "big.bin").read_bytes() == data
+    done.set()
+    t.join()
+    assert (v / "big.bin").read_bytes() == data  # the page cache or our cache: hits
+    m.stop()
+    m.start()
+    assert (v / "big.bin").read_bytes() == data  # from the disk cache: hits
+    (v / "w.bin").write_bytes(os.urandom(5 * MiB))
+    # A commit that fails for good, and one held back (pending).
+    fault_proxy.fail(403, method="PUT", path="denied")
+    fault_proxy.fail(503, method="PUT", path="held")
+    (v / "denied.bin").write_bytes(b"no")
+    (v / "held.bin").write_bytes(b"later")
+    assert wait_until(lambda: m.status()["commits"]["failed"] == 1, timeout=30)
+
+    text = subprocess.run([sys.executable, "-m", "ucfs", "status", str(m.mountpoint)], capture_output=True,
+                          text=True, cwd=REPO, check=True).stdout
+    print(f"\n[live view] ucfs status:\n{text}")
+    st = m.status()
+    assert re.search(r"throughput \(last 10 s\): read [\d.]+ MiB/s, written [\d.]+ MiB/s", text)
+    assert re.search(r"cache: [\d.]+ MiB of \d+ MiB, \d+ blocks, hit rate \d+%", text)
+    assert st["cache"]["hits"] > 0 and st["cache"]["used_bytes"] > 0
+    assert re.search(r"read-ahead in memory: [\d.]+ MiB \(peak [\d.]+ MiB, budget \d+ MiB\)", text)
+    assert max(inflight) > 0, "read-ahead in flight never showed"
+    assert re.search(r"commits: \d+ pending .*, 1 failed, \d+ committed", text)
+    assert re.search(r"failed +/test/s/vol/denied\.bin .*AccessDenied", text) or "denied.bin" in text
+    assert re.search(r"retries [1-9]", text), text
+    assert re.search(r"event loop: longest stall [\d.]+ ms", text)
+
+    # The same figures for Prometheus, on loopback only.
+    metrics_text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    metrics = parse_metrics(metrics_text)
+    assert metrics["ucfs_cache_hits"] >= 1 and metrics["ucfs_cache_used_bytes"] > 0
+    assert metrics["ucfs_commits_failed"] == 1 and metrics["ucfs_commits_pending"] >= 1
+    assert "ucfs_readahead_bytes" in metrics and "ucfs_loop_max_stall_ms" in metrics
+    assert any(k.startswith("ucfs_throughput_bytes_per_s_read") for k in metrics)
+    assert any(re.match(r'ucfs_store_attempts_total\{store="[^"]+"\}', k) for k in metrics)
+    listening = [line.split() for line in open("/proc/net/tcp").read().splitlines()[1:]]
+    local = [f[1] for f in listening if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port]
+    assert local == ["0100007F:%04X" % port], local  # 127.0.0.1 only
+    fault_proxy.clear()
