@@ -1,6 +1,6 @@
 """torchio: PyTorch data loading and checkpointing on a ucfs mount.
 
-    from torchio import UCVolumeDataset, DataLoader, UCVolumeWriter, UCVolumeReader
+    from torchio import UCVolumeDataset, DataLoader, UCVolumeWriter, UCVolumeReader, export_table
 
 - `UCVolumeDataset`: the files under a volume directory, sharded over (rank, worker), copied once
   to a host-local cache, yielded as local paths; resumable mid-epoch.
@@ -8,10 +8,12 @@
   timing of how long each batch waited for data.
 - `UCVolumeWriter` / `UCVolumeReader`: `torch.distributed.checkpoint` storage whose ``.metadata``
   appears in the store only after every shard of every rank is committed.
+- `export_table`: a Delta table or any Arrow data written into a volume as Parquet files of a target
+  size and published whole, for `datasets` / pyarrow to load (see `torchio.tables`).
 
 Names are imported on first use, so ``import torchio`` stays cheap (torch.distributed.checkpoint
-is loaded only by a script that checkpoints). torchio uses the mount through ordinary file calls and
-imports nothing of ucfs's file system; ucfs never imports torch.
+is loaded only by a script that checkpoints, pyarrow only by one that exports). torchio uses the
+mount through ordinary file calls and imports nothing of ucfs's file system; ucfs never imports torch.
 """
 
 from __future__ import annotations
@@ -19,19 +21,21 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-__all__ = ["UCVolumeDataset", "DataLoader", "UCVolumeWriter", "UCVolumeReader"]
+__all__ = ["UCVolumeDataset", "DataLoader", "UCVolumeWriter", "UCVolumeReader", "export_table"]
 
 _WHERE = {
     "UCVolumeDataset": ".dataset",
     "DataLoader": ".loader",
     "UCVolumeWriter": ".dcp",
     "UCVolumeReader": ".dcp",
+    "export_table": ".tables",
 }
 
 if TYPE_CHECKING:
     from .dataset import UCVolumeDataset
     from .dcp import UCVolumeReader, UCVolumeWriter
     from .loader import DataLoader
+    from .tables import export_table
 
 
 def __getattr__(name: str):
