@@ -19,6 +19,7 @@ import datetime
 import hashlib
 import hmac
 import http.client
+import math
 import queue
 import select
 import socket
@@ -269,7 +270,11 @@ def parse_list(body: bytes | bytearray) -> ListResult:
 
 
 def iso_mtime_ns(value: str) -> int:
-    """'2026-11-29T12:00:00.000Z' -> nanoseconds since the epoch (0 when unparseable)."""
+    """'2026-11-29T12:00:00.123Z' -> nanoseconds since the epoch, whole seconds (0 when unparseable).
+
+    Listings give milliseconds, HEAD and GET only seconds (an HTTP date). Both are cut to the second
+    so that an object's mtime does not change with the request that last described it: tools that
+    compare mtimes (rsync, make, torchio's cache identity) would take that for a new version."""
     if not value:
         return 0
     try:
@@ -278,7 +283,7 @@ def iso_mtime_ns(value: str) -> int:
         return 0
     if dt.tzinfo is None:
         dt = dt.replace(tzinfo=datetime.timezone.utc)
-    return int(dt.timestamp() * 1e9)
+    return math.floor(dt.timestamp()) * 1_000_000_000
 
 
 def parse_error(body: bytes | bytearray) -> tuple[str, str, str]:
@@ -294,7 +299,7 @@ def http_mtime_ns(value: str | None) -> int:
     if not value:
         return 0
     try:
-        return int(parsedate_to_datetime(value).timestamp() * 1e9)
+        return math.floor(parsedate_to_datetime(value).timestamp()) * 1_000_000_000
     except (TypeError, ValueError):
         return 0
 

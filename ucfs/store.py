@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import logging
+import math
 import os
 import random
 import threading
@@ -135,6 +136,12 @@ def _check_key(key: str) -> None:
 # S3
 
 
+def s3_mtime_ns(dt) -> int:
+    """An S3 timestamp (a datetime) in nanoseconds, cut to the whole second like s3http's: LIST
+    gives milliseconds, HEAD only seconds, and an object's mtime must not depend on which was last."""
+    return math.floor(dt.timestamp()) * 1_000_000_000
+
+
 def _split_etag(value: str | None) -> str:
     return (value or "").strip('"')
 
@@ -242,7 +249,7 @@ class S3Store:
     @staticmethod
     def _info_from_head(key: str, resp: dict, size: int | None = None) -> ObjectInfo:
         lm = resp.get("LastModified")
-        mtime_ns = int(lm.timestamp() * 1e9) if lm is not None else 0
+        mtime_ns = s3_mtime_ns(lm) if lm is not None else 0
         if size is None:
             size = int(resp.get("ContentLength", 0))
         return ObjectInfo(key, size, _split_etag(resp.get("ETag")), mtime_ns)
@@ -383,7 +390,7 @@ class S3Store:
             kwargs["ContinuationToken"] = token
         resp = self._call("list", prefix, self._client.list_objects_v2, **kwargs)
         objects = [ObjectInfo(o["Key"], int(o["Size"]), _split_etag(o.get("ETag")),
-                              int(o["LastModified"].timestamp() * 1e9))
+                              s3_mtime_ns(o["LastModified"]))
                    for o in resp.get("Contents", ())]
         prefixes = [p["Prefix"] for p in resp.get("CommonPrefixes", ())]
         nxt = resp.get("NextContinuationToken") if resp.get("IsTruncated") else None
