@@ -51,6 +51,11 @@ LAYOUT = "v1"
 EVICT_TO_FRACTION = 0.9
 # A temporary file older than this belongs to a fill that died; the next eviction scan removes it.
 STALE_TMP_S = 3600.0
+# A copy that meets a version change (ESTALE from the mount) is tried again this many times, after
+# this many seconds times the attempt: the mount's metadata TTL (1 s by default) bounds how long the
+# old version can still be shown.
+STALE_RETRIES = 3
+STALE_RETRY_S = 0.5
 # Copy buffer: one read per file for the small samples this cache is for, few for big ones.
 COPY_BUFFER_BYTES = 1 << 20
 
@@ -77,19 +82,23 @@ class Fetched:
     hit: bool
     copied_bytes: int = 0
     bypassed: bool = False
+    direct: bool = False  # fetched from the store itself, not through the mount
 
 
 class FileCache:
     """Whole-file copies under `root`. Thread-safe, fork-safe and picklable (opens nothing eagerly)."""
 
     def __init__(self, root: str | os.PathLike, *, capacity_bytes: int, free_floor_bytes: int,
-                 protect_s: float = 60.0):
+                 protect_s: float = 60.0, direct=None):
         if capacity_bytes < 0 or free_floor_bytes < 0:
             raise ValueError("capacity_bytes and free_floor_bytes must not be negative")
         self.root = Path(root).absolute()
         self.capacity_bytes = int(capacity_bytes)
         self.free_floor_bytes = int(free_floor_bytes)
         self.protect_s = float(protect_s)
+        # A `torchio._direct.DirectSource`: fills that GET the listed version from the store
+        # themselves, falling back to the mount (None: always through the mount).
+        self.direct = direct
         self._init_local()
 
     # Per-process state is rebuilt after unpickling or forking: an flock belongs to an open file
@@ -105,7 +114,8 @@ class FileCache:
 
     def __getstate__(self) -> dict:
         return {"root": self.root, "capacity_bytes": self.capacity_bytes,
-                "free_floor_bytes": self.free_floor_bytes, "protect_s": self.protect_s}
+                "free_floor_bytes": self.free_floor_bytes, "protect_s": self.protect_s,
+                "direct": self.direct}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -161,6 +171,24 @@ class FileCache:
 
     def fill(self, src: SourceFile) -> Fetched:
         self._prepare()
+        if self.direct is not None:
+            data = self.direct.fetch(src.path, src.size, src.mtime_ns)
+            if data is not None:
+                return self._install(src, lambda fout: _write_all(fout, data), direct=True)
+        for attempt in range(STALE_RETRIES + 1):
+            try:
+                return self._fill_through_mount(src)
+            except OSError as e:
+                # The object changed in the store while the mount still showed the old version: the
+                # mount refuses to mix versions (ESTALE). Once it has seen the change (its metadata
+                # TTL), a new open reads the new version whole.
+                if e.errno != errno.ESTALE or attempt == STALE_RETRIES:
+                    raise
+                log.debug("%s changed while it was copied; copying it again", src.path)
+                time.sleep(STALE_RETRY_S * (attempt + 1))
+        raise AssertionError("unreachable")
+
+    def _fill_through_mount(self, src: SourceFile) -> Fetched:
         with open(src.path, "rb", buffering=0) as fin:
             st = os.fstat(fin.fileno())
             actual = src
@@ -171,25 +199,30 @@ class FileCache:
                 local = self.lookup(actual)
                 if local is not None:
                     return Fetched(local, hit=True)
-            need = disk_bytes(actual.size)
-            if not self._reserve(need):
-                self._note_bypass(actual)
-                return Fetched(src.path, hit=False, bypassed=True)
-            dst = self.local_path(actual)
-            tmp = self.base / "tmp" / f"{os.path.basename(dst)}.{os.getpid()}.{threading.get_ident()}.{next(self._tmp_ids)}"
-            try:
-                with open(tmp, "wb", buffering=0) as fout:
-                    copied = _copy(fin, fout)
-                if copied != actual.size:
-                    raise OSError(errno.EIO, f"{src.path}: read {copied} bytes of {actual.size}")
-                os.makedirs(os.path.dirname(dst), mode=0o700, exist_ok=True)
-                os.rename(tmp, dst)  # atomic: readers see the whole file or none
-            except BaseException:
-                self._release(need)
-                with _suppress_missing():
-                    os.unlink(tmp)
-                raise
-        return Fetched(dst, hit=False, copied_bytes=copied)
+            return self._install(actual, lambda fout: _copy(fin, fout))
+
+    def _install(self, src: SourceFile, write, direct: bool = False) -> Fetched:
+        """Make room for `src`, let `write(fout)` fill a private file with its bytes (returning how
+        many) and rename that into place; or bypass the cache when no room can be made."""
+        need = disk_bytes(src.size)
+        if not self._reserve(need):
+            self._note_bypass(src)
+            return Fetched(src.path, hit=False, bypassed=True)
+        dst = self.local_path(src)
+        tmp = self.base / "tmp" / f"{os.path.basename(dst)}.{os.getpid()}.{threading.get_ident()}.{next(self._tmp_ids)}"
+        try:
+            with open(tmp, "wb", buffering=0) as fout:
+                copied = write(fout)
+            if copied != src.size:
+                raise OSError(errno.EIO, f"{src.path}: read {copied} bytes of {src.size}")
+            os.makedirs(os.path.dirname(dst), mode=0o700, exist_ok=True)
+            os.rename(tmp, dst)  # atomic: readers see the whole file or none
+        except BaseException:
+            self._release(need)
+            with _suppress_missing():
+                os.unlink(tmp)
+            raise
+        return Fetched(dst, hit=False, copied_bytes=copied, direct=direct)
 
     def _note_bypass(self, src: SourceFile) -> None:
         level = logging.DEBUG if self._warned_bypass else logging.WARNING
@@ -353,6 +386,14 @@ def _copy(fin, fout) -> int:
         while view:
             view = view[os.write(out_fd, view):]
         total += len(chunk)
+
+
+def _write_all(fout, data) -> int:
+    view = memoryview(data)
+    total = len(view)
+    while view:
+        view = view[fout.write(view):]
+    return total
 
 
 def _scandir(path) -> list[os.DirEntry]:

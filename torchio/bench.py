@@ -5,7 +5,9 @@ says what torchio buys, not how fast this host is today:
 
     loader  N files of S bytes read as training samples, W workers on both sides:
             a plain torch DataLoader over the mounted paths (a map-style dataset that opens and reads
-            each path) versus UCVolumeDataset + torchio.DataLoader (same decoding of the local copy).
+            each path) versus UCVolumeDataset + torchio.DataLoader (same decoding of the local copy),
+            which fills its cache with GETs straight from the store the mount describes, using the
+            same credentials as the mount (`--no-direct`: every copy through the mount instead).
             targets: torchio epoch 1 >= 3 x faster than plain epoch 1;
                      torchio epoch 2 >= 10 x faster than plain epoch 1 (and makes no store GETs)
     dcp     dcp.save of a state dict of B bytes through UCVolumeWriter (returns when the checkpoint
@@ -86,6 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     w.add_argument("--files", type=int, default=2000, help="sample files (default 2000)")
     w.add_argument("--file-size", default="150K", help="size of each sample file (default 150K)")
     w.add_argument("--workers", type=int, default=4, help="DataLoader workers, both loaders (default 4)")
+    w.add_argument("--no-direct", action="store_true",
+                   help="UCVolumeDataset copies every file through the mount (no direct fills from the store)")
     w.add_argument("--batch-size", type=int, default=32, help="batch size, both loaders (default 32)")
     w.add_argument("--ckpt-size", default="1G", help="bytes in the checkpointed state dict (default 1G)")
     w.add_argument("--dcp-threads", type=int, default=None,
@@ -318,35 +322,54 @@ def measure_plain(root: str, workers: int, batch: int) -> tuple[float, float, in
     return listing + e1, e2, n
 
 
-def measure_torchio(root: str, cache_dir: str, workers: int, batch: int, between=None) -> tuple[float, float, int]:
-    """(epoch 1 s including listing, epoch 2 s, samples) of UCVolumeDataset + torchio.DataLoader."""
+def measure_torchio(root: str, cache_dir: str, workers: int, batch: int, between=None,
+                    direct: bool = True) -> tuple[float, float, int, list[int]]:
+    """(epoch 1 s including listing, epoch 2 s, samples, files fetched from the store directly in
+    each epoch) of UCVolumeDataset + torchio.DataLoader."""
     from .dataset import UCVolumeDataset
     from .loader import DataLoader
 
     t0 = time.perf_counter()
-    ds = UCVolumeDataset(root, cache_dir=cache_dir)
+    ds = UCVolumeDataset(root, cache_dir=cache_dir, direct=direct)
     loader = DataLoader(_decoding(ds), batch_size=batch, num_workers=workers, log_every_batches=0)
     listing = time.perf_counter() - t0
     e1, n = _epoch(loader)
+    direct1 = ds.statistics()["direct"]
     if between is not None:
         between()
     ds.set_epoch(1)
     e2, _ = _epoch(loader)
-    return listing + e1, e2, n
+    return listing + e1, e2, n, [direct1, ds.statistics()["direct"] - direct1]
 
 
-def loader_figures(plain: tuple[float, float, int], ours: tuple[float, float, int], epoch2_gets: int | None,
-                   files: int, workers: int) -> list[Figure]:
+@contextlib.contextmanager
+def _credentials(env: dict):
+    """This process's AWS settings as the mount's, for the dataset's direct fills."""
+    keys = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_EC2_METADATA_DISABLED")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update({k: env[k] for k in keys if k in env})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def loader_figures(plain: tuple[float, float, int], ours: tuple[float, float, int, list[int]],
+                   epoch2_gets: int | None, files: int, workers: int) -> list[Figure]:
     p1, p2, n = plain
-    t1, t2, m = ours
+    t1, t2, m, direct = ours
     if n != files or m != files:
         raise BenchError(f"loaders yielded {n} and {m} samples, not {files}")
     w = f"{workers} workers"
     return [
         Figure("loader.plain.epoch1", p1, "s", note=f"{files / p1:,.0f} samples/s, {w}"),
         Figure("loader.plain.epoch2", p2, "s", note=f"{files / p2:,.0f} samples/s (mount cache warm)"),
-        Figure("loader.torchio.epoch1", t1, "s", p1, p1 / t1, 3.0, f"{files / t1:,.0f} samples/s; ratio: plain "
-               "epoch 1 / this"),
+        Figure("loader.torchio.epoch1", t1, "s", p1, p1 / t1, 3.0, f"{files / t1:,.0f} samples/s, {direct[0]} "
+               "fetched from the store directly; ratio: plain epoch 1 / this"),
         Figure("loader.torchio.epoch2", t2, "s", p1, p1 / t2, 10.0, f"{files / t2:,.0f} samples/s"
                + ("" if epoch2_gets is None else f", store GETs: {epoch2_gets}")),
     ]
@@ -433,7 +456,7 @@ class Bench:
         files = sum(len(fs) for _, _, fs in os.walk(root))
         say(f"{files} files under {root}; plain DataLoader first, then torchio ({a.workers} workers)")
         plain = measure_plain(root, a.workers, a.batch_size)
-        ours = measure_torchio(root, str(self.work / "cache"), a.workers, a.batch_size)
+        ours = measure_torchio(root, str(self.work / "cache"), a.workers, a.batch_size, direct=not a.no_direct)
         self.figures += loader_figures(plain, ours, None, files, a.workers)
 
     # -- a store, a proxy and fresh mounts ----------------------------------------------------------
@@ -507,9 +530,12 @@ class Bench:
         say("UCVolumeDataset + torchio.DataLoader, fresh mount and fresh local cache")
         with Mount(self.work, "torchio", catalog, env) as m:
             gets: list[int] = []
-            ours = measure_torchio(str(m.volume()), str(self.work / "torchio-cache"), a.workers, a.batch_size,
-                                   between=lambda: gets.append(m.gets()))
+            with _credentials(env):
+                ours = measure_torchio(str(m.volume()), str(self.work / "torchio-cache"), a.workers,
+                                       a.batch_size, between=lambda: gets.append(m.gets()),
+                                       direct=not a.no_direct)
             gets.append(m.gets())
+            gets[1] += ours[3][1]  # epoch 2's direct fills were store GETs too
         say(f"torchio: epoch 1 {ours[0]:.2f} s, epoch 2 {ours[1]:.2f} s")
         self.figures += loader_figures(plain, ours, gets[1] - gets[0] if min(gets) >= 0 else None, a.files,
                                        a.workers)

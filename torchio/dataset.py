@@ -22,7 +22,9 @@ or cut (``drop_last=True``).
 
 **Caching** (see `_cache`): each file is copied to a host-local cache on first use and its local path
 yielded; a bounded pool of I/O threads copies the next `readahead_files` of the shard while the
-consumer works on the current ones.
+consumer works on the current ones. Where the mount describes its volumes, a copy is one GET
+straight from the store, checked against the version the mount listed (see `_direct`); otherwise,
+and whenever that check fails, it is a copy through the mount.
 
 **Resuming.** The state is ``(epoch, items consumed by this rank)``. That one number is exact because
 the shard gives each DataLoader worker whole batches round-robin, the order in which the DataLoader
@@ -60,6 +62,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from . import _shard
 from ._cache import Fetched, FileCache, SourceFile
+from ._direct import DirectSource, enabled_by_env
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +87,7 @@ STATE_VERSION = 1
 # The shared control block: int64 slots read by every copy of the dataset.
 _EPOCH, _RESUME_EPOCH, _RESUME_START, _RESUME_WORLD, _BATCH, _RANK, _WORLD = range(7)
 _HEADER = 8
-_COUNTERS = ("hits", "misses", "bypassed", "copied_bytes", "fetch_ns")
+_COUNTERS = ("hits", "misses", "bypassed", "copied_bytes", "fetch_ns", "direct")
 # Counter slots: one per DataLoader worker id up to 63, and the last one for the consumer's process.
 _SLOTS = 65
 _MAIN_SLOT = _SLOTS - 1
@@ -129,6 +132,10 @@ class UCVolumeDataset(IterableDataset):
     - ``io_threads``, ``readahead_files``: copies in flight and files fetched ahead, per iterating
       process (0 threads: copy synchronously when asked).
     - ``batch_size``: the DataLoader's batch size; `torchio.DataLoader` sets it for you.
+    - ``direct``: fill the cache with GETs straight from the store the mount describes, using this
+      process's AWS credentials, for files whose listed version the store still has (see
+      `torchio._direct`); anything else is copied through the mount. Default: on, unless
+      ``UCFS_TORCHIO_DIRECT=0``.
     """
 
     def __init__(self, path: str | os.PathLike, *, pattern: str = "*", recursive: bool = True,
@@ -137,7 +144,7 @@ class UCVolumeDataset(IterableDataset):
                  cache_size_bytes: int = DEFAULT_CACHE_SIZE_BYTES,
                  free_floor_bytes: int = DEFAULT_FREE_FLOOR_BYTES,
                  io_threads: int = DEFAULT_IO_THREADS, readahead_files: int = DEFAULT_READAHEAD_FILES,
-                 batch_size: int = 1):
+                 batch_size: int = 1, direct: bool | None = None):
         super().__init__()
         self.root = os.path.abspath(os.fspath(path))
         if not os.path.isdir(self.root):
@@ -152,8 +159,12 @@ class UCVolumeDataset(IterableDataset):
             raise ValueError("io_threads and readahead_files must not be negative")
         self.io_threads = int(io_threads)
         self.readahead_files = int(readahead_files)
+        if direct is None:
+            direct = enabled_by_env()
+        source = DirectSource.discover(self.root, max(1, self.io_threads)) if direct else None
         self.cache = FileCache(cache_dir if cache_dir is not None else default_cache_dir(),
-                               capacity_bytes=cache_size_bytes, free_floor_bytes=free_floor_bytes)
+                               capacity_bytes=cache_size_bytes, free_floor_bytes=free_floor_bytes,
+                               direct=source)
         self._explicit: list[str] | None = None  # from_files: these paths instead of a listing
         self._entries: list[SourceFile] | None = None
         self._names: list[str] | None = None  # relative paths, for the state's file-list digest
@@ -393,7 +404,8 @@ class UCVolumeDataset(IterableDataset):
 
     # -- statistics -----------------------------------------------------------------------------
     def statistics(self) -> dict[str, float]:
-        """Cache hits, misses, bypasses, bytes copied and fetch time of all copies of this dataset."""
+        """Cache hits, misses (``direct`` of them fetched from the store itself), bypasses, bytes
+        copied and fetch time of all copies of this dataset."""
         c = self._block[_HEADER:].view(_SLOTS, len(_COUNTERS)).sum(dim=0).tolist()
         out = dict(zip(_COUNTERS, c))
         out["fetch_s"] = out.pop("fetch_ns") / 1e9
@@ -433,10 +445,11 @@ class _Counts:
         self.n = 0
 
     def hit(self) -> None:
-        self._add((1, 0, 0, 0, 0))
+        self._add((1, 0, 0, 0, 0, 0))
 
     def add(self, f: Fetched, ns: int) -> None:
-        self._add((int(f.hit), int(not f.hit and not f.bypassed), int(f.bypassed), f.copied_bytes, ns))
+        self._add((int(f.hit), int(not f.hit and not f.bypassed), int(f.bypassed), f.copied_bytes, ns,
+                   int(f.direct)))
 
     def _add(self, delta) -> None:
         with self.lock:

@@ -7,6 +7,7 @@ The CLI is the only place that builds a `MountConfig` from argv; everything else
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,29 @@ from pathlib import Path
 KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
+
+
+def runtime_dir() -> Path:
+    """The user's runtime directory for ucfs (0700): control sockets and mount descriptors."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if os.geteuid() == 0 and os.path.isdir("/run") and os.access("/run", os.W_OK):
+        base = "/run"
+    if not base or not os.access(base, os.W_OK):
+        base = f"/tmp/ucfs-{os.geteuid()}"
+    d = Path(base) / "ucfs"
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return d
+
+
+def mount_runtime_name(mountpoint: str | os.PathLike) -> str:
+    """The name, in `runtime_dir()`, under which a mount's socket and descriptor live."""
+    return hashlib.sha256(os.path.abspath(mountpoint).encode()).hexdigest()[:20]
+
+
+def mount_descriptor_path(mountpoint: str | os.PathLike) -> Path:
+    """Where a running mount describes its volumes (locations only, never credentials) for clients
+    on the same host that may fetch objects themselves (torchio's cache fills)."""
+    return runtime_dir() / f"{mount_runtime_name(mountpoint)}.json"
 
 
 def default_state_dir() -> Path:

@@ -11,7 +11,6 @@ Refusing getxattr once (ENOSYS) switches those questions off for the whole mount
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -21,25 +20,14 @@ from typing import Callable
 
 import trio
 
+from .config import mount_runtime_name, runtime_dir
 from .errors import UcfsError
 
 log = logging.getLogger(__name__)
 
 
-def runtime_dir() -> Path:
-    base = os.environ.get("XDG_RUNTIME_DIR")
-    if os.geteuid() == 0 and os.path.isdir("/run") and os.access("/run", os.W_OK):
-        base = "/run"
-    if not base or not os.access(base, os.W_OK):
-        base = f"/tmp/ucfs-{os.geteuid()}"
-    d = Path(base) / "ucfs"
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    return d
-
-
 def socket_path(mountpoint: str | os.PathLike) -> Path:
-    h = hashlib.sha256(os.path.abspath(mountpoint).encode()).hexdigest()[:20]
-    return runtime_dir() / f"{h}.sock"
+    return runtime_dir() / f"{mount_runtime_name(mountpoint)}.sock"
 
 
 async def serve(mountpoint: Path, handlers: dict[str, Callable[[], dict]], *,

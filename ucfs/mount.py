@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import gc
+import json
 import logging
 import os
 import signal
@@ -28,7 +29,7 @@ from .aiostore import AsyncStore
 from .cache import BlockCache, ensure_private_dir
 from .commit import Committer
 from .catalog import Catalog, StoreSpec
-from .config import MountConfig
+from .config import MountConfig, mount_descriptor_path
 from .core import Core
 from .errors import UcfsError
 from .fs import Operations
@@ -273,12 +274,14 @@ async def serve(catalog: Catalog, cfg: MountConfig, opts: MountOptions,
                 nursery.start_soon(_watch_signals)
                 log.info("mounted %d volume(s) from %s at %s", len(catalog.volumes), catalog.source,
                          mountpoint)
+                write_descriptor(mountpoint, catalog)
                 if ready is not None:
                     ready()
                 # Idle tasks beyond min_tasks exit, freeing their receive buffers; keeping a few
                 # spares avoids churning 1 MiB buffers through the allocator under bursty load.
                 await pyfuse3.main(min_tasks=8, max_tasks=cfg.fuse_max_tasks)
             finally:
+                remove_descriptor(mountpoint)
                 pyfuse3.close(unmount=True)
             log.info("unmounted %s", mountpoint)
             with trio.CancelScope(shield=True):
@@ -286,6 +289,48 @@ async def serve(catalog: Catalog, cfg: MountConfig, opts: MountOptions,
             nursery.cancel_scope.cancel()
     finally:
         lock.release()
+
+
+DESCRIPTOR_VERSION = 1
+
+
+def write_descriptor(mountpoint: Path, catalog: Catalog) -> Path | None:
+    """Describe where this mount's S3 volumes live, for clients on this host that fetch objects
+    themselves (torchio's cache fills: `torchio/_direct.py`). Locations only: a client uses its own
+    credentials, and its reads still start from what the mount lists. Best effort."""
+    volumes = {}
+    for vol in catalog.volumes.values():
+        if vol.store.kind != "s3":
+            continue
+        volumes["/".join((vol.catalog, vol.schema, vol.name))] = {
+            "bucket": vol.bucket, "prefix": vol.prefix, "endpoint_url": vol.store.endpoint_url,
+            "region": vol.store.region, "profile": vol.store.profile,
+            "path_style": vol.store.path_style, "payload_signing": vol.store.payload_signing,
+        }
+    doc = {"version": DESCRIPTOR_VERSION, "mountpoint": str(mountpoint), "pid": os.getpid(),
+           "volumes": volumes}
+    path = mount_descriptor_path(mountpoint)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.debug("cannot write the mount descriptor %s: %s", path, e)
+        return None
+    return path
+
+
+def remove_descriptor(mountpoint: Path) -> None:
+    try:
+        path = mount_descriptor_path(mountpoint)
+        with open(path) as f:
+            mine = json.load(f).get("pid") == os.getpid()
+        if mine:  # a later mount at the same place may have replaced it
+            path.unlink()
+    except (OSError, ValueError):
+        pass
 
 
 def _byte_totals(core: Core) -> dict[str, int]:
