@@ -496,13 +496,7 @@ class Bench:
     def _setup(self, store, ep: Endpoint) -> None:
         """Create the bucket and upload the sample files unless a previous run left them (not measured)."""
         a = self.a
-        try:
-            store.check_bucket(a.bucket)
-        except OSError:
-            import boto3  # only to create the bucket: ucfs.store does not create buckets
-
-            boto3.client("s3", endpoint_url=ep.url, region_name=ep.region, aws_access_key_id=ep.access_key,
-                         aws_secret_access_key=ep.secret_key).create_bucket(Bucket=a.bucket)
+        store.create_bucket(a.bucket)
         have: dict[str, int] = {}
         token = None
         while True:
@@ -568,15 +562,20 @@ class Bench:
         ]
 
     def _delete_scratch(self, store) -> None:
-        token = None
-        while True:
-            page = store.list_page(self.a.bucket, self.scratch_prefix + "/", delimiter="", token=token)
-            for o in page.objects:
-                with contextlib.suppress(OSError):
-                    store.delete(self.a.bucket, o.key)
-            token = page.next_token
-            if token is None:
-                return
+        delete_prefix(store, self.a.bucket, self.scratch_prefix + "/")
+
+
+def delete_prefix(store, bucket: str, prefix: str) -> None:
+    """Delete every object under prefix (best effort: what cannot be deleted stays)."""
+    token = None
+    while True:
+        page = store.list_page(bucket, prefix, delimiter="", token=token)
+        for o in page.objects:
+            with contextlib.suppress(OSError):
+                store.delete(bucket, o.key)
+        token = page.next_token
+        if token is None:
+            return
 
 
 def main(argv: list[str] | None = None) -> int:

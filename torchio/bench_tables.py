@@ -6,7 +6,7 @@ Two figures, each with its reference measured in the same run on the same store:
              returns (every file and the manifest committed to the store), first into an empty
              directory, then again over it (overwrite: the old export is retired and deleted too).
              references: the same export into a local directory (what encoding alone allows on this
-             host), and a direct multipart upload of the same bytes with boto3 (the ceiling: 8 MiB
+             host), and a direct multipart upload of the same bytes with ucfs.store (the ceiling: 8 MiB
              parts, 16 in flight, as the mount uploads).
     read     one column of the exported (multi-file) dataset read through a fresh mount (cold cache),
              with pyarrow.dataset and with Hugging Face datasets: bytes the mount fetched from the
@@ -36,7 +36,7 @@ import uuid
 from dataclasses import asdict
 from pathlib import Path
 
-from torchio.bench import BenchError, Endpoint, Figure, Mount, format_table, start_rgw
+from torchio.bench import BenchError, Endpoint, Figure, Mount, delete_prefix, format_table, start_rgw
 from ucfs.config import MiB, parse_size
 
 # The direct upload's shape: the mount's part size and parts in flight (torchio.bench uses the same).
@@ -111,21 +111,21 @@ def volume(m: Mount) -> Path:
     return m.mountpoint.joinpath(*VOLUME)
 
 
-def direct_upload(s3, bucket: str, prefix: str, files: list[str]) -> float:
-    """Seconds to upload the files with boto3 multipart uploads, PART_BYTES parts, all files' parts
-    sharing UPLOAD_PARTS_IN_FLIGHT threads (the ceiling)."""
+def direct_upload(store, bucket: str, prefix: str, files: list[str]) -> float:
+    """Seconds to upload the files as multipart uploads straight to the store (ucfs.store, no mount),
+    PART_BYTES parts, all files' parts sharing UPLOAD_PARTS_IN_FLIGHT threads (the ceiling)."""
     t0 = time.perf_counter()
     uploads = []
     for f in files:
         key = f"{prefix}/{os.path.basename(f)}"
-        uploads.append((f, key, s3.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]))
+        uploads.append((f, key, store.create_multipart(bucket, key)))
 
     def part(job):
         path, key, upload_id, number, offset, size = job
         with open(path, "rb") as fh:
             fh.seek(offset)
             body = fh.read(size)
-        return s3.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body)["ETag"]
+        return store.upload_part(bucket, key, upload_id, number, body, size)
 
     jobs = []
     for path, key, upload_id in uploads:
@@ -135,9 +135,7 @@ def direct_upload(s3, bucket: str, prefix: str, files: list[str]) -> float:
     with concurrent.futures.ThreadPoolExecutor(UPLOAD_PARTS_IN_FLIGHT) as pool:
         etags = list(pool.map(part, jobs))
     for path, key, upload_id in uploads:
-        mine = [(j[3], e) for j, e in zip(jobs, etags) if j[1] == key]
-        s3.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={
-            "Parts": [{"PartNumber": n, "ETag": e} for n, e in mine]})
+        store.complete_multipart(bucket, key, upload_id, [(j[3], e) for j, e in zip(jobs, etags) if j[1] == key])
     return time.perf_counter() - t0
 
 
@@ -189,10 +187,8 @@ class Bench:
         return self.figures
 
     def _run(self) -> None:
-        import boto3
-        import botocore.config
-
         from torchio.tables import export_table
+        from ucfs.store import S3Store
 
         a = self.a
         if a.endpoint:
@@ -201,14 +197,10 @@ class Bench:
             # Data in RAM: two exports, the ceiling's copy, and the overwrite's server-side copy.
             rgw, ep = start_rgw(max(4.0, 6 * a.size / (1 << 30)))
             self.stack.callback(rgw.stop)
-        s3 = boto3.client("s3", endpoint_url=ep.url, region_name=ep.region, aws_access_key_id=ep.access_key,
-                          aws_secret_access_key=ep.secret_key, config=botocore.config.Config(
-                              s3={"addressing_style": "path"}, max_pool_connections=UPLOAD_PARTS_IN_FLIGHT * 2,
-                              request_checksum_calculation="when_required",
-                              response_checksum_validation="when_required"))
-        with contextlib.suppress(s3.exceptions.BucketAlreadyOwnedByYou, s3.exceptions.BucketAlreadyExists):
-            s3.create_bucket(Bucket=a.bucket)
-        self.stack.callback(self._delete_scratch, s3)
+        store = S3Store(endpoint_url=ep.url, region=ep.region, access_key=ep.access_key,
+                        secret_key=ep.secret_key, concurrency=UPLOAD_PARTS_IN_FLIGHT * 2)
+        store.create_bucket(a.bucket)
+        self.stack.callback(delete_prefix, store, a.bucket, self.prefix + "/")
         catalog = self.work / "catalog.toml"
         catalog.write_text("\n".join([
             "[stores.bench]", f'endpoint_url = "{ep.url}"', f'region = "{ep.region}"', "",
@@ -231,7 +223,7 @@ class Bench:
 
         say(f"direct multipart upload of the same {mb:,.0f} MB ({UPLOAD_PARTS_IN_FLIGHT} parts of "
             f"{PART_BYTES // MiB} MiB in flight)")
-        ceiling_s = direct_upload(s3, a.bucket, f"{self.prefix}/ceiling", local_files)
+        ceiling_s = direct_upload(store, a.bucket, f"{self.prefix}/ceiling", local_files)
         ceiling = mb / ceiling_s
 
         say("export_table into the volume, fresh mount, until committed; then again over it")
@@ -274,12 +266,6 @@ class Bench:
                     f"read.{reader}.{column}", fetched / 1e6, "MB", col / 1e6, fetched / col, None,
                     f"fetched / column bytes; {gets} GETs, footers {footers / 1e3:,.0f} kB, "
                     f"{rows:,} rows in {seconds:.1f} s; file bytes {nbytes / 1e6:,.0f} MB"))
-
-    def _delete_scratch(self, s3) -> None:
-        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=self.a.bucket, Prefix=self.prefix + "/"):
-            objs = [{"Key": o["Key"]} for o in page.get("Contents", ())]
-            if objs:
-                s3.delete_objects(Bucket=self.a.bucket, Delete={"Objects": objs, "Quiet": True})
 
 
 def main(argv: list[str] | None = None) -> int:

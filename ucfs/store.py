@@ -188,9 +188,12 @@ class S3Store:
         kwargs = {}
         if access_key and secret_key:
             kwargs = {"aws_access_key_id": access_key, "aws_secret_access_key": secret_key}
-        self._client = session.client("s3", endpoint_url=endpoint_url, config=cfg, **kwargs)
-        # Count every HTTP attempt, so statistics show retries (attempts - requests).
-        self._client.meta.events.register("request-created.s3", self._count_attempt)
+        # The botocore client is made on first use: building one loads S3's service model, about half
+        # a second of CPU, and a process that only GETs (torchio's direct fills, one per DataLoader
+        # worker) never needs it.
+        self._client_args = (session, endpoint_url, cfg, kwargs)
+        self._client_obj = None
+        self._client_lock = threading.Lock()
         # GET and HEAD, the hot path of every read, go through the lean client (see s3http.py);
         # it shares boto3's credentials, so rotation and instance roles work the same.
         self._lean = None
@@ -212,6 +215,20 @@ class S3Store:
                 url, region=region_name, path_style=path_style or endpoint_url is not None,
                 credentials=credentials, pool_size=concurrency, timeout_s=read_timeout_s,
                 ca_bundle=session._session.get_config_variable("ca_bundle"))
+
+    @property
+    def _client(self):
+        client = self._client_obj
+        if client is None:
+            with self._client_lock:
+                if self._client_obj is None:
+                    session, endpoint_url, cfg, kwargs = self._client_args
+                    client = session.client("s3", endpoint_url=endpoint_url, config=cfg, **kwargs)
+                    # Count every HTTP attempt, so statistics show retries (attempts - requests).
+                    client.meta.events.register("request-created.s3", self._count_attempt)
+                    self._client_obj = client
+                client = self._client_obj
+        return client
 
     def _count_attempt(self, request, **_kwargs) -> None:
         self._counters.add("attempts")
@@ -399,6 +416,15 @@ class S3Store:
     def check_bucket(self, bucket: str) -> None:
         self._call("head_bucket", bucket, self._client.head_bucket, Bucket=bucket)
 
+    def create_bucket(self, bucket: str) -> None:
+        """Make the bucket unless this account already has it (for benchmarks and test set-up; the
+        file system itself never creates buckets)."""
+        try:
+            self._call("create_bucket", bucket, self._client.create_bucket, Bucket=bucket)
+        except errors.StoreError as e:
+            if e.code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                raise
+
     # -- writes -------------------------------------------------------------------------------
     def put(self, bucket: str, key: str, body: bytes | BinaryIO, size: int) -> ObjectInfo:
         _check_key(key)
@@ -424,6 +450,8 @@ class S3Store:
                                    query={"partNumber": str(part_number), "uploadId": upload_id})
             self._counters.add("put_bytes", size)
             return _split_etag(r.headers.get("etag"))
+        if isinstance(body, memoryview):
+            body = bytes(body)  # botocore takes bytes or a file, not a view of a pooled buffer
         resp = self._call("upload_part", key, self._client.upload_part, Bucket=bucket, Key=key,
                           UploadId=upload_id, PartNumber=part_number, Body=body, ContentLength=size)
         self._counters.add("put_bytes", size)
