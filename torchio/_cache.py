@@ -56,6 +56,8 @@ STALE_TMP_S = 3600.0
 # old version can still be shown.
 STALE_RETRIES = 3
 STALE_RETRY_S = 0.5
+# Room a process reserves at once, so that most fills do not take the cross-process lock.
+CREDIT_BYTES = 64 << 20
 # Copy buffer: one read per file for the small samples this cache is for, few for big ones.
 COPY_BUFFER_BYTES = 1 << 20
 
@@ -111,6 +113,8 @@ class FileCache:
         self._ready = False
         self._tmp_ids = itertools.count()
         self._warned_bypass = False
+        self._credit = 0  # bytes this process has reserved in `usage` and not used yet
+        self._credit_scans = -1  # the scan id `usage` had when the credit was taken
 
     def __getstate__(self) -> dict:
         return {"root": self.root, "capacity_bytes": self.capacity_bytes,
@@ -233,28 +237,42 @@ class FileCache:
 
     # -- accounting -----------------------------------------------------------------------------
     def _reserve(self, nbytes: int) -> bool:
-        """Account for `nbytes` more, evicting if needed; False when no room can be made."""
+        """Account for `nbytes` more, evicting if needed; False when no room can be made.
+
+        A process takes room in advance (`_credit`, up to CREDIT_BYTES or 1/64 of the capacity) so
+        that most fills take no lock: with 64 copies in flight across the workers of a host, the
+        flock on ``usage`` at every fill was where the copies queued. A scan recounts ``usage``
+        from what is on disk, which leaves every credit out, so it bumps a scan count kept beside
+        the total (a new random id per scan) and a credit taken before the last scan is void. Room taken and not used by a
+        process that exits stays counted until the next scan, which a cache that seems full runs."""
+        with self._thread_lock:
+            if self._credit >= nbytes and self._lock_fd is not None:
+                if self._read_usage(self._lock_fd)[1] == self._credit_scans:
+                    self._credit -= nbytes
+                    return True
         if nbytes > self.capacity_bytes:
             return False
-        with self._locked() as fd:
-            used = self._read_usage(fd)
+        chunk = min(CREDIT_BYTES, self.capacity_bytes // 64)
+        with self._locked() as fd:  # holds _thread_lock too
+            used, scans = self._read_usage(fd)
             if used is None:
-                used = self._scan_and_evict(fd, 0, evict=False)
-            if self._fits(used, nbytes):
-                self._write_usage(fd, used + nbytes)
-                return True
-            used = self._scan_and_evict(fd, nbytes, evict=True)
-            if self._fits(used, nbytes):
-                self._write_usage(fd, used + nbytes)
-                return True
-            self._write_usage(fd, used)
-            return False
+                used, scans = self._scan_and_evict(fd, 0, evict=False), _scan_id()
+            if scans != self._credit_scans:
+                self._credit, self._credit_scans = 0, scans
+            for extra in (chunk, 0):
+                if self._fits(used, nbytes + extra):
+                    self._write_usage(fd, used + nbytes + extra, scans)
+                    self._credit += extra
+                    return True
+            used, scans = self._scan_and_evict(fd, nbytes, evict=True), _scan_id()
+            self._credit, self._credit_scans = 0, scans
+            fits = self._fits(used, nbytes)
+            self._write_usage(fd, used + nbytes if fits else used, scans)
+            return fits
 
     def _release(self, nbytes: int) -> None:
-        with self._locked() as fd:
-            used = self._read_usage(fd)
-            if used is not None:
-                self._write_usage(fd, max(0, used - nbytes))
+        with self._thread_lock:
+            self._credit += nbytes  # still counted in `usage`: the next fill of this process uses it
 
     def _fits(self, used: int, nbytes: int) -> bool:
         return used + nbytes <= self.capacity_bytes and self._free_bytes() - nbytes >= self.free_floor_bytes
@@ -267,10 +285,10 @@ class FileCache:
         """Bytes the cache accounts for (all processes)."""
         self._prepare()
         with self._locked() as fd:
-            used = self._read_usage(fd)
+            used, scans = self._read_usage(fd)
             if used is None:
                 used = self._scan_and_evict(fd, 0, evict=False)
-                self._write_usage(fd, used)
+                self._write_usage(fd, used, _scan_id())
             return used
 
     def _scan_and_evict(self, fd: int, nbytes: int, *, evict: bool) -> int:
@@ -347,17 +365,19 @@ class FileCache:
         return FileCache._Locked(self)
 
     @staticmethod
-    def _read_usage(fd: int) -> int | None:
-        raw = os.pread(fd, 32, 0).strip()
+    def _read_usage(fd: int) -> tuple[int | None, int]:
+        """(bytes in use or None when unknown, id of the last scan) from ``usage``."""
+        raw = os.pread(fd, 64, 0).split()
         try:
-            return int(raw) if raw else None
-        except ValueError:
-            return None  # damaged: recount
+            return int(raw[0]), int(raw[1])
+        except (ValueError, IndexError):
+            return None, 0  # missing, damaged, or an older layout: recount
 
     @staticmethod
-    def _write_usage(fd: int, used: int) -> None:
-        data = f"{used:<20d}\n".encode()  # fixed width: a rewrite never leaves old digits behind
-        os.pwrite(fd, data, 0)
+    def _write_usage(fd: int, used: int, scans: int) -> None:
+        # Fixed width, one write: a rewrite never leaves old digits behind, and a reader that takes
+        # no lock (`_reserve`) sees the old line or the new one.
+        os.pwrite(fd, f"{used:<20d} {scans:<20d}\n".encode(), 0)
 
 
 def _copy(fin, fout) -> int:
@@ -386,6 +406,10 @@ def _copy(fin, fout) -> int:
         while view:
             view = view[os.write(out_fd, view):]
         total += len(chunk)
+
+
+def _scan_id() -> int:
+    return int.from_bytes(os.urandom(8), "little") >> 2
 
 
 def _write_all(fout, data) -> int:

@@ -363,3 +363,25 @@ def test_cache_is_shared_safely_by_processes(tmp_path):
                   for d, _, fs in os.walk(cache.base / "objects") for f in fs)
     assert on_disk <= 40 * 4096
     assert not os.listdir(cache.base / "tmp")
+
+
+def test_cache_fills_take_room_in_advance_and_a_scan_voids_it(tmp_path, monkeypatch):
+    root = tmp_path / "c"
+    a = FileCache(root, capacity_bytes=64 * 16 * 4096, free_floor_bytes=0, protect_s=0)  # 16-page credit
+    locks = []
+    real = FileCache._locked
+    monkeypatch.setattr(FileCache, "_locked", lambda self: locks.append(self) or real(self))
+    files = [src_file(tmp_path, f"f{i}", 4000) for i in range(40)]
+    for f in files[:16]:
+        assert not a.get(f).hit
+    assert len(locks) == 1  # one reservation for 16 fills
+    # Another process (here: another instance) scans: `usage` is recounted from disk, which leaves
+    # a's unused credit out, so a must not fill on it any more.
+    b = FileCache(root, capacity_bytes=a.capacity_bytes, free_floor_bytes=0, protect_s=0)
+    (root / "v1" / "usage").write_text("garbage")
+    assert b.usage_bytes() == 16 * 4096
+    a._credit += 4096  # what a still holds
+    locks.clear()
+    assert not a.get(files[16]).hit
+    assert locks  # went back to the lock and took fresh room
+    assert a.usage_bytes() <= a.capacity_bytes
