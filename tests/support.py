@@ -32,6 +32,34 @@ def server_gets(rgw: RGWServer, bucket: str, prefix: str) -> int:
     return sum(1 for e in rgw.ops_log() if str(e.get("uri", "")).startswith(want))
 
 
+def obj(s3, bucket: str, key: str) -> bytes:
+    """An object's bytes, read with the test's own boto3 client."""
+    return s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+
+
+def keys(s3, bucket: str, prefix: str) -> list[str]:
+    """Every key under prefix, sorted (the test's own boto3 client)."""
+    out = []
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        out.extend(o["Key"] for o in page.get("Contents", ()))
+    return sorted(out)
+
+
+def sync_dir(path) -> None:
+    """fsync on a directory: returns when everything pending beneath it is committed."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_path(path) -> None:
+    """fsync a file by path: returns when its content is committed to the store."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
 def wait_until(pred, timeout: float, interval: float = 0.05):
     deadline = time.monotonic() + timeout
     while True:

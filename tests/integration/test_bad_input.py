@@ -15,30 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, wait_until
+from tests.support import REPO, keys, obj, sync_dir, wait_until
 
 MiB = 1 << 20
 KiB = 1 << 10
 TiB = 1 << 40
-
-
-def obj(s3, bucket, key) -> bytes:
-    return s3.get_object(Bucket=bucket, Key=key)["Body"].read()
-
-
-def keys(s3, bucket, prefix) -> list[str]:
-    out = []
-    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-        out.extend(o["Key"] for o in page.get("Contents", ()))
-    return sorted(out)
-
-
-def sync_dir(path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def errno_of(fn) -> int | None:

@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from tests.support import wait_until
+from tests.support import obj, sync_dir, wait_until
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -39,21 +39,9 @@ def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def obj(s3, bucket, key) -> bytes:
-    return s3.get_object(Bucket=bucket, Key=key)["Body"].read()
-
-
 def put_many(s3, bucket, items: dict[str, bytes], threads: int = 16) -> None:
     with concurrent.futures.ThreadPoolExecutor(threads) as ex:
         list(ex.map(lambda kv: s3.put_object(Bucket=bucket, Key=kv[0], Body=kv[1]), items.items()))
-
-
-def sync_dir(path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_all(path) -> bytes:

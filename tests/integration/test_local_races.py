@@ -10,23 +10,10 @@ import random
 import threading
 import time
 
-from tests.support import wait_until
+from tests.support import fsync_path, sync_dir, wait_until
 
 KiB = 1 << 10
 MiB = 1 << 20
-
-
-def fsync_path(path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def sync_dir(path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def test_a_directory_read_after_a_commit_does_not_bring_back_the_old_version(mount):

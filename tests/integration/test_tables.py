@@ -27,16 +27,10 @@ pads = pytest.importorskip("pyarrow.dataset")
 pq = pytest.importorskip("pyarrow.parquet")
 
 from torchio.tables import MANIFEST_NAME, exported_files, read_manifest  # noqa: E402
+from tests.support import keys, sync_dir  # noqa: E402
 
 KiB = 1 << 10
 MiB = 1 << 20
-
-
-def keys(s3, bucket, prefix) -> list[str]:
-    out = []
-    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-        out.extend(o["Key"] for o in page.get("Contents", ()))
-    return sorted(out)
 
 
 def stored_files(s3, bucket, prefix) -> dict[str, int]:
@@ -57,15 +51,6 @@ def local_files(root) -> dict[str, int]:
             p = os.path.join(d, n)
             out[os.path.relpath(p, root)] = os.path.getsize(p)
     return out
-
-
-def sync_dir(path) -> None:
-    """fsync on a directory: returns when everything pending beneath it is committed."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @pytest.fixture

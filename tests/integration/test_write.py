@@ -16,34 +16,9 @@ import time
 
 import pytest
 
-from tests.support import wait_until
+from tests.support import fsync_path, keys, obj, sync_dir, wait_until
 
 MiB = 1 << 20
-
-
-def obj(s3, bucket, key) -> bytes:
-    return s3.get_object(Bucket=bucket, Key=key)["Body"].read()
-
-
-def keys(s3, bucket, prefix) -> list[str]:
-    out = []
-    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-        out.extend(o["Key"] for o in page.get("Contents", ()))
-    return sorted(out)
-
-
-def sync_dir(path) -> None:
-    """fsync on a directory: returns when everything pending beneath it is committed."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_path(path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
 
 
 def test_create_write_close_commits_in_background(mount, s3, bucket, prefix):
