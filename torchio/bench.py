@@ -578,21 +578,25 @@ def delete_prefix(store, bucket: str, prefix: str) -> None:
             return
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run_bench(name: str, make_bench, args: argparse.Namespace) -> int:
+    """Run a bench from the command line: the table on stdout, errors as one line, --json saved."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        figures = Bench(args).run()
+        figures = make_bench(args).run()
     except BenchError as e:
-        print(f"torchio bench: error: {e}", file=sys.stderr)
+        print(f"{name}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("torchio bench: interrupted", file=sys.stderr)
+        print(f"{name}: interrupted", file=sys.stderr)
         return 130
     print(format_table(figures))
     if args.json_path:
         Path(args.json_path).write_text(json.dumps([asdict(f) | {"verdict": f.verdict} for f in figures], indent=2))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_bench("torchio bench", Bench, parse_args(argv))
 
 
 if __name__ == "__main__":

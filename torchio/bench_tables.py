@@ -25,7 +25,6 @@ import argparse
 import concurrent.futures
 import contextlib
 import json
-import logging
 import os
 import shutil
 import subprocess
@@ -33,10 +32,9 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import asdict
 from pathlib import Path
 
-from torchio.bench import BenchError, Endpoint, Figure, Mount, delete_prefix, format_table, start_rgw
+from torchio.bench import BenchError, Endpoint, Figure, Mount, delete_prefix, run_bench, start_rgw
 from ucfs.config import MiB, parse_size
 
 # The direct upload's shape: the mount's part size and parts in flight (torchio.bench uses the same).
@@ -269,20 +267,7 @@ class Bench:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        figures = Bench(args).run()
-    except BenchError as e:
-        print(f"bench_tables: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("bench_tables: interrupted", file=sys.stderr)
-        return 130
-    print(format_table(figures))
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps([asdict(f) for f in figures], indent=2))
-    return 0
+    return run_bench("bench_tables", Bench, parse_args(argv))
 
 
 if __name__ == "__main__":
