@@ -60,6 +60,19 @@ def fsync_path(path) -> None:
         os.fsync(f.fileno())
 
 
+def foreign_page(data: bytes, versions: list[bytes]) -> int | None:
+    """Offset of the first 4 KiB page of `data` with a byte that no version has at that offset, or
+    None. A page torn between versions (a read racing a write, as on a local file system) passes:
+    every byte only has to be some version's byte at its place."""
+    for off in range(0, len(data), 4096):
+        piece = data[off:off + 4096]
+        if any(v[off:off + len(piece)] == piece for v in versions):
+            continue
+        if not all(any(len(v) > off + j and v[off + j] == b for v in versions) for j, b in enumerate(piece)):
+            return off
+    return None
+
+
 def wait_until(pred, timeout: float, interval: float = 0.05):
     deadline = time.monotonic() + timeout
     while True:

@@ -75,14 +75,20 @@ def say(msg: str) -> None:
 # options
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m torchio.bench", description=__doc__.split("\n\n")[0])
+def add_store_arguments(p: argparse.ArgumentParser):
+    """The options naming the store a bench runs against; returns their group."""
     g = p.add_argument_group("store")
     g.add_argument("--endpoint", help="S3 endpoint URL (default: start a throw-away Ceph RGW on loopback)")
     g.add_argument("--access-key", default=os.environ.get("AWS_ACCESS_KEY_ID"))
     g.add_argument("--secret-key", default=os.environ.get("AWS_SECRET_ACCESS_KEY"))
     g.add_argument("--region", default=os.environ.get("AWS_REGION") or "us-east-1")
     g.add_argument("--bucket", default="torchio-bench", help="created if missing (default torchio-bench)")
+    return g
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m torchio.bench", description=__doc__.split("\n\n")[0])
+    g = add_store_arguments(p)
     g.add_argument("--prefix", default="torchio-bench", help="key prefix of the bench's data")
     w = p.add_argument_group("workload")
     w.add_argument("--files", type=int, default=2000, help="sample files (default 2000)")

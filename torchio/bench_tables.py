@@ -34,7 +34,8 @@ import time
 import uuid
 from pathlib import Path
 
-from torchio.bench import BenchError, Endpoint, Figure, Mount, delete_prefix, run_bench, start_rgw
+from torchio.bench import (BenchError, Endpoint, Figure, Mount, add_store_arguments, delete_prefix, run_bench,
+                           start_rgw)
 from ucfs.config import MiB, parse_size
 
 # The direct upload's shape: the mount's part size and parts in flight (torchio.bench uses the same).
@@ -53,12 +54,7 @@ def say(msg: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m torchio.bench_tables", description=__doc__.split("\n\n")[0])
-    g = p.add_argument_group("store")
-    g.add_argument("--endpoint", help="S3 endpoint URL (default: start a throw-away Ceph RGW on loopback)")
-    g.add_argument("--access-key", default=os.environ.get("AWS_ACCESS_KEY_ID"))
-    g.add_argument("--secret-key", default=os.environ.get("AWS_SECRET_ACCESS_KEY"))
-    g.add_argument("--region", default=os.environ.get("AWS_REGION") or "us-east-1")
-    g.add_argument("--bucket", default="torchio-bench", help="created if missing (default torchio-bench)")
+    add_store_arguments(p)
     w = p.add_argument_group("workload")
     w.add_argument("--size", default="300M", help="the exported table's size on disk (default 300M)")
     w.add_argument("--target-file-size", default="64M", help="export_table's target_file_bytes (default 64M)")
