@@ -45,7 +45,7 @@ from .cache import ObjectVersion, ensure_private_dir
 from .catalog import Volume
 from .config import MiB, MountConfig
 from .inodes import Inode
-from .journal import Journal
+from .journal import Journal, Record
 from .store import MAX_OBJECT_BYTES, MAX_PARTS
 
 if TYPE_CHECKING:
@@ -209,18 +209,29 @@ class Committer:
         records = self.journal.records()
         named = {r.staging for r in records}
         self._collect_orphans(named)
+        # Several rows for one path: only the one changed last (its close, or the rename that put it
+        # there) holds the file's content; the others are versions it replaced. Replaying one of those
+        # would publish old bytes over newer ones, so they are dropped with their staging files.
+        latest: dict[tuple[str, str], Record] = {}
+        for r in records:
+            k = (r.volume, r.path)
+            if k not in latest or (r.updated, r.id) > (latest[k].updated, latest[k].id):
+                latest[k] = r
         for r in records:
             vol = self._volume(r.volume)
             staging = self.staging_dir / r.staging
+            if latest[(r.volume, r.path)] is not r:
+                log.info("journal entry for %s:%s was replaced by a later one; dropping it", r.volume, r.path)
+                self.journal.remove_nowait(r.id)
+                if r.staging != latest[(r.volume, r.path)].staging:
+                    staging.unlink(missing_ok=True)
+                continue
             if vol is None or not staging.exists():
                 log.error("journal entry for %s:%s cannot be replayed (%s); dropping it", r.volume, r.path,
                           "volume no longer registered" if vol is None else "staging file missing")
                 self.journal.remove_nowait(r.id)
                 continue
             node = self.core.materialize(vol, r.path)
-            if node.staged is not None:  # two rows for one path: the later one wins
-                self.journal.remove_nowait(r.id)
-                continue
             fd = os.open(staging, os.O_RDWR)
             st = os.fstat(fd)
             s = Staged(node, vol, staging, fd, st.st_size, st.st_mtime_ns, rid=r.id, generation=1,

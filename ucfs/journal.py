@@ -58,6 +58,7 @@ class Record:
     attempts: int
     error: str
     created: float
+    updated: float  # the row's last change: its close, or a rename that moved it to `path`
 
 
 class Journal:
@@ -86,7 +87,7 @@ class Journal:
     # -- reading (at mount, before serving) -------------------------------------------------------
     def records(self) -> list[Record]:
         rows = self._db.execute("SELECT id, volume, path, staging, size, state, attempts, error, "
-                                "created FROM pending ORDER BY id").fetchall()
+                                "created, updated FROM pending ORDER BY id").fetchall()
         return [Record(*r) for r in rows]
 
     def uploads(self) -> list[tuple[str, str, str]]:

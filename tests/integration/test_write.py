@@ -252,6 +252,39 @@ def test_sigkill_after_close_loses_nothing(mount, s3, bucket, prefix):
     assert mount.status()["commits"].get("replayed", 0) >= 1
 
 
+def test_replay_publishes_what_a_path_held_last(mount_factory, s3, bucket, prefix):
+    """A killed daemon may leave two journal rows for one path: a file closed, and a later version
+    (rewritten, or another file renamed over it, which can have the older row id). The restart must
+    publish the version the path held last, by when its row last changed, never the one it replaced."""
+    import sqlite3
+
+    from ucfs.journal import SCHEMA
+
+    m = mount_factory(start=False)
+    staging = m.state_dir / "staging"
+    staging.mkdir(parents=True, mode=0o700)
+    os.chmod(m.state_dir, 0o700)
+    bodies = {name: name.encode() + os.urandom(30_000) for name in ("a-old", "a-new", "b-new", "b-old")}
+    for name, body in bodies.items():
+        (staging / f"{name}.data").write_bytes(body)
+    db = sqlite3.connect(m.state_dir / "journal.sqlite3")
+    db.executescript(SCHEMA)
+    t = time.time() - 60
+    rows = [("dup.bin", "a-old", t), ("dup.bin", "a-new", t + 1),  # rewritten: the later row wins
+            ("ren.bin", "b-new", t + 5), ("ren.bin", "b-old", t + 2)]  # renamed over: older id, later change
+    for path, name, when in rows:
+        db.execute("INSERT INTO pending (volume, path, staging, size, state, created, updated) "
+                   "VALUES ('test.s.vol', ?, ?, ?, 'ready', ?, ?)", (path, f"{name}.data", 30_000 + 5, when, when))
+    db.commit()
+    db.close()
+    m.start()
+    sync_dir(m.path())
+    for path, name in (("dup.bin", "a-new"), ("ren.bin", "b-new")):
+        assert obj(s3, bucket, f"{prefix}/vol/{path}") == bodies[name]
+        assert (m.path() / path).read_bytes() == bodies[name]
+    assert not (staging / "a-old.data").exists() and not (staging / "b-old.data").exists()
+
+
 def test_sigkill_during_multipart_commit_never_shows_a_partial_object(mount, s3, bucket, prefix):
     key = f"{prefix}/vol/mp.bin"
     old = os.urandom(5 * MiB)
