@@ -159,6 +159,9 @@ class Staged:
     created_at: float = field(default_factory=time.time)
     lock: trio.Lock = field(default_factory=trio.Lock)  # data changes vs. snapshot reads
     commit_lock: trio.Lock = field(default_factory=trio.Lock)  # one commit at a time
+    # One flush at a time: two closes at once (a reader's and the writer's) both found no journal row
+    # and added one each, and the row whose id was overwritten outlived every commit.
+    flush_lock: trio.Lock = field(default_factory=trio.Lock)
     progress: trio.Event = field(default_factory=trio.Event)  # set (and replaced) on commit or failure
 
     @property
@@ -444,20 +447,21 @@ class Committer:
         it, so committing at each flush would publish an empty object first and upload twice."""
         if s.dropped:
             return
-        if s.generation > s.flushed_generation and s.dirty:
-            gen = s.generation
-            await run_disk(os.fdatasync, s.fd)
-            s.unsynced = 0
-            path = s.node.rel_path()
-            if s.rid is None:
-                s.rid = await self.journal.add(s.volume.full_name, path, s.path.name, s.size)
-            else:
-                await self.journal.mark_ready(s.rid, s.size, path)
-            s.flushed_generation = max(s.flushed_generation, gen)
-            if s.error is not None and s.error.errno != errors.ENOSPC:
-                s.error = None  # new data: try again
-            if s.writers == 0:
-                self._enqueue(s)
+        async with s.flush_lock:
+            if s.generation > s.flushed_generation and s.dirty and not s.dropped:
+                gen = s.generation
+                await run_disk(os.fdatasync, s.fd)
+                s.unsynced = 0
+                path = s.node.rel_path()
+                if s.rid is None:
+                    s.rid = await self.journal.add(s.volume.full_name, path, s.path.name, s.size)
+                else:
+                    await self.journal.mark_ready(s.rid, s.size, path)
+                s.flushed_generation = max(s.flushed_generation, gen)
+                if s.error is not None and s.error.errno != errors.ENOSPC:
+                    s.error = None  # new data: try again
+                if s.writers == 0:
+                    self._enqueue(s)
         if s.error is not None:
             raise s.error
 
