@@ -160,18 +160,7 @@ class _SocketReader:
     async def head(self) -> bytes | None:
         """The next message head (up to and including the blank line); None at a clean end of
         stream between messages."""
-        while True:
-            i = self.buf.find(b"\r\n\r\n")
-            if i >= 0:
-                raw = bytes(self.buf[:i + 4])
-                del self.buf[:i + 4]
-                return raw
-            if len(self.buf) > MAX_HEAD_BYTES:
-                raise ConnectionAbort()
-            if not await self._fill():
-                if self.buf:
-                    raise ConnectionAbort()  # ended in the middle of a head
-                return None
+        return await self._through(b"\r\n\r\n", none_at_clean_end=True)
 
     async def some(self, limit: int) -> bytes:
         """Up to `limit` bytes (at least one), or b'' at end of stream."""
@@ -183,13 +172,22 @@ class _SocketReader:
         return out
 
     async def line(self) -> bytes:
+        return await self._through(b"\r\n")
+
+    async def _through(self, sep: bytes, none_at_clean_end: bool = False) -> bytes | None:
+        """The bytes up to and including `sep`. The stream ending before it aborts the connection,
+        except (with `none_at_clean_end`) when it ends with nothing buffered: then None."""
         while True:
-            i = self.buf.find(b"\r\n")
+            i = self.buf.find(sep)
             if i >= 0:
-                out = bytes(self.buf[:i + 2])
-                del self.buf[:i + 2]
+                out = bytes(self.buf[:i + len(sep)])
+                del self.buf[:i + len(sep)]
                 return out
-            if len(self.buf) > MAX_HEAD_BYTES or not await self._fill():
+            if len(self.buf) > MAX_HEAD_BYTES:
+                raise ConnectionAbort()
+            if not await self._fill():
+                if none_at_clean_end and not self.buf:
+                    return None
                 raise ConnectionAbort()
 
 
