@@ -290,6 +290,10 @@ class Core:
             return node
         if node is not None and seen_at is not None and self._changed_since(node, seen_at):
             return node
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("lookup %s/%s: absent by %s%s", parent.mount_path(), name,
+                      "listing" if seen_at is None else f"probe sent at {seen_at:.3f}",
+                      "" if node is None else f", forgetting inode {node.ino}")
         if node is not None:
             self.inodes.detach(node)
         return None
@@ -445,6 +449,8 @@ class Core:
                 continue
             entry = entries.get(name)
             if entry is None or entry.is_dir != (node.kind is not Kind.FILE):
+                log.debug("listing of %s: %s %s", parent.mount_path(), name,
+                          "absent" if entry is None else "changed kind")
                 self.inodes.detach(node)  # gone, or changed kind: a fresh lookup makes a new inode
                 continue
             if node.kind is Kind.FILE:
@@ -546,6 +552,7 @@ class Core:
             if e.errno == errors.ENOENT and self._changed_since(node, started):
                 return  # committed by us while the HEAD was on its way
             if e.errno == errors.ENOENT:
+                log.debug("revalidate %s: not in the store (HEAD sent at %.3f)", node.mount_path(), started)
                 # Deleted elsewhere. Existing handles keep what they have; new lookups see ENOENT.
                 self.inodes.detach(node)
                 node.deleted = True
@@ -792,6 +799,7 @@ class Core:
             raise errors.fs_error(errors.ENOENT)
         if node.kind.is_dir:
             raise errors.fs_error(errors.EISDIR)
+        log.debug("unlink %s (inode %d, staged %s)", node.mount_path(), node.ino, node.staged is not None)
         if node.staged is not None:
             await self.committer.drop(node.staged)
         if node.etag:
@@ -869,6 +877,9 @@ class Core:
             if target.kind.is_dir and not await self._is_empty(target):
                 raise errors.fs_error(errors.ENOTEMPTY)
         store = self.store_for(vol)
+        log.debug("rename %s -> %s/%s (inode %d, staged %s, replacing %s)", node.mount_path(),
+                  new_parent.mount_path(), new_name, node.ino, node.staged is not None,
+                  "nothing" if target is None else f"inode {target.ino}")
         if node.kind is Kind.FILE:
             await self._rename_file(store, vol, node, target, new_parent, new_name)
         else:

@@ -53,6 +53,8 @@ def _errno_of(op: str, e: OSError) -> int:
     err = e.errno or errors.EIO
     if err == errors.EIO:
         log.error("%s: I/O error: %s", op, e)  # the log line that says why
+    elif err == errors.ENOENT and log.isEnabledFor(logging.DEBUG):
+        log.debug("%s: ENOENT: %s", op, e)  # why something vanished, for races a soak finds
     return err
 
 

@@ -105,6 +105,12 @@ class Model:
         overlapping = [c for c in changes if c.start < t1 and (c.end is None or c.end >= t0) and c is not settled]
         return settled, overlapping
 
+    def history(self, path: str, since: float) -> str:
+        with self.lock:
+            recent = [c for c in self.paths[path].changes if c.end is None or c.end >= since]
+        return ", ".join(f"{c.kind} v{c.version} [{c.start:.3f}, {'open' if c.end is None else f'{c.end:.3f}'}]"
+                         for c in recent)
+
     def final(self, path: str) -> Change | None:
         with self.lock:
             done = [c for c in self.paths[path].changes if c.end is not None]
@@ -263,7 +269,9 @@ def test_soak_readers_and_writers_against_a_model(mount_factory, s3, bucket, pre
             t1 = time.monotonic()
             why = check_read(model, path, t0, t1, data, err)
             if why:
-                fail(f"reader {r}: {path} read in [{t0:.3f}, {t1:.3f}]: {why}")
+                wall = time.strftime("%H:%M:%S", time.localtime(time.time() - (time.monotonic() - t0)))
+                fail(f"reader {r}: {path} read in [{t0:.3f}, {t1:.3f}] (wall {wall}): {why}; "
+                     f"its recent changes: {model.history(path, t0 - 5)}")
                 return
             stats.add("reads" if err is None else f"reads_{errno.errorcode.get(err, err)}")
             stats.add("bytes_read", len(data or b""))
