@@ -189,3 +189,25 @@ def make_catalog(endpoint: S3Endpoint, bucket: str, volumes: dict[str, dict]) ->
             lines.append(f"{k} = {json.dumps(val)}")
         lines.append("")
     return "\n".join(lines)
+
+
+async def open_core(tmp_path, store, nursery, cfg):
+    """A Core and Committer over `store` (one volume a.b.c at s3://bucket/pfx), started in `nursery`, without
+    FUSE; returns (core, committer, the volume's inode number)."""
+    from ucfs.aiostore import AsyncStore
+    from ucfs.catalog import Catalog
+    from ucfs.commit import Committer
+    from ucfs.core import Core
+    from ucfs.inodes import ROOT_INO
+
+    catalog = Catalog.from_dict({"stores": {"mem": {}},
+                                 "volumes": {"a.b.c": {"location": "s3://bucket/pfx", "store": "mem"}}})
+    core = Core(catalog, {"mem": AsyncStore(store, 8)}, None, cfg)
+    core.attach(nursery)
+    committer = Committer(tmp_path / "state", core, cfg, workers=4)
+    await nursery.start(committer.run)
+    core.committer = committer
+    ino = ROOT_INO
+    for name in ("a", "b", "c"):
+        ino = (await core.lookup(ino, name)).ino
+    return core, committer, ino

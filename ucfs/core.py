@@ -286,7 +286,7 @@ class Core:
         """A name the store does not know may still exist here (created, not yet committed; or
         committed after the store was asked)."""
         node = parent.children_by_name.get(name)
-        if node is not None and node.staged is not None:
+        if node is not None and (node.staged is not None or node.creating):
             return node
         if node is not None and seen_at is not None and self._changed_since(node, seen_at):
             return node
@@ -445,7 +445,7 @@ class Core:
         """Bring known children in line with a fresh listing."""
         expires = time.monotonic() + self.cfg.metadata_ttl_s
         for name, node in list(parent.children_by_name.items()):
-            if node.staged is not None:
+            if node.staged is not None or node.creating:
                 continue
             entry = entries.get(name)
             if entry is None or entry.is_dir != (node.kind is not Kind.FILE):
@@ -714,7 +714,16 @@ class Core:
         else:
             node = self.inodes.add_child(parent, name, Kind.FILE, parent.volume)
             node.size, node.etag, node.mtime_ns = 0, "", time.time_ns()
-            staged = await self.committer.stage(node, truncate=True)
+            # Until its staging file exists the new name is known only here: a listing refreshed
+            # meanwhile must not take it away (the kernel holds the directory lock for the create,
+            # but opendir and revalidating lookups reach us without it).
+            node.creating += 1
+            try:
+                staged = await self.committer.stage(node, truncate=True)
+            finally:
+                node.creating -= 1
+                if node.staged is None:
+                    self.inodes.detach(node)  # the create failed: the name was never made
         node.deleted = False
         node.lookups += 1
         self.note_changed(node)

@@ -82,6 +82,9 @@ class Inode:
     hot_since: float = 0.0
     staged: Any = None  # files: local data not yet (or being) committed; see commit.py
     deleted: bool = False  # unlinked while open: still readable through its handles
+    # Creates under way: the name exists here before its staging file does, and neither a listing
+    # nor the store knows it yet; nothing may take the name away meanwhile (see Core.create).
+    creating: int = 0
     children_by_name: dict[str, "Inode"] = field(default_factory=dict)
 
     def rel_path(self) -> str:
@@ -181,7 +184,7 @@ class InodeTable:
         self._maybe_drop(node)
 
     def _maybe_drop(self, node: Inode) -> None:
-        while (node is not self.root and node.lookups <= 0 and node.opens <= 0
+        while (node is not self.root and node.lookups <= 0 and node.opens <= 0 and node.creating <= 0
                and node.children <= 0 and node.staged is None and node.ino in self._by_ino):
             del self._by_ino[node.ino]
             parent = node.parent

@@ -19,15 +19,13 @@ from ucfs import commit as commit_mod
 from ucfs import errors
 from ucfs.aiostore import AsyncStore
 from ucfs.cache import BlockCache, ObjectVersion
-from ucfs.catalog import Catalog
-from ucfs.commit import Committer
 from ucfs.config import MiB, MountConfig
-from ucfs.core import Core
-from ucfs.inodes import ROOT_INO
 from ucfs.prefetch import MemoryBudget, ObjectReader
 from ucfs.store import MemoryStore
 from ucfs.testing.faults import (FaultProxy, FaultyStore, access_denied, connection_reset, internal_error,
                                  slow_down)
+
+from tests.support import open_core
 
 BODY = bytes(range(256)) * 4096  # 1 MiB, as the test server's only object
 
@@ -261,20 +259,6 @@ def test_reads_through_faults_are_right_or_eio_and_a_failure_is_not_remembered(t
     assert store.injected["get"] == 1 and store.injected["short"] == 1
 
 
-async def _open_core(tmp_path, store, nursery, cfg):
-    catalog = Catalog.from_dict({"stores": {"mem": {}},
-                                 "volumes": {"a.b.c": {"location": "s3://bucket/pfx", "store": "mem"}}})
-    core = Core(catalog, {"mem": AsyncStore(store, 8)}, None, cfg)
-    core.attach(nursery)
-    committer = Committer(tmp_path / "state", core, cfg, workers=4)
-    await nursery.start(committer.run)
-    core.committer = committer
-    ino = ROOT_INO
-    for name in ("a", "b", "c"):
-        ino = (await core.lookup(ino, name)).ino
-    return core, committer, ino
-
-
 def test_commits_retry_transient_faults_and_report_permanent_ones(tmp_path, monkeypatch):
     monkeypatch.setattr(commit_mod, "RETRY_FIRST_S", 0.01)  # keep the backoff short for the test
     inner = MemoryStore()
@@ -291,7 +275,7 @@ def test_commits_retry_transient_faults_and_report_permanent_ones(tmp_path, monk
 
     async def main():
         async with trio.open_nursery() as n:
-            core, committer, vol = await _open_core(tmp_path, store, n, cfg)
+            core, committer, vol = await open_core(tmp_path, store, n, cfg)
             # Transient: slow-downs, resets and 500s, several in a row; fsync waits them out.
             store.fail("put", slow_down, times=2)
             store.fail("put", connection_reset, times=1)
