@@ -808,7 +808,8 @@ class Core:
             raise errors.fs_error(errors.ENOENT)
         if node.kind.is_dir:
             raise errors.fs_error(errors.EISDIR)
-        log.debug("unlink %s (inode %d, staged %s)", node.mount_path(), node.ino, node.staged is not None)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("unlink %s (inode %d, staged %s)", node.mount_path(), node.ino, node.staged is not None)
         if node.staged is not None:
             await self.committer.drop(node.staged)
         if node.etag:
@@ -886,9 +887,10 @@ class Core:
             if target.kind.is_dir and not await self._is_empty(target):
                 raise errors.fs_error(errors.ENOTEMPTY)
         store = self.store_for(vol)
-        log.debug("rename %s -> %s/%s (inode %d, staged %s, replacing %s)", node.mount_path(),
-                  new_parent.mount_path(), new_name, node.ino, node.staged is not None,
-                  "nothing" if target is None else f"inode {target.ino}")
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("rename %s -> %s/%s (inode %d, staged %s, replacing %s)", node.mount_path(),
+                      new_parent.mount_path(), new_name, node.ino, node.staged is not None,
+                      "nothing" if target is None else f"inode {target.ino}")
         if node.kind is Kind.FILE:
             await self._rename_file(store, vol, node, target, new_parent, new_name)
         else:
