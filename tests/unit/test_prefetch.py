@@ -12,6 +12,7 @@ from ucfs.aiostore import AsyncStore
 from ucfs.cache import BlockCache, ObjectVersion
 from ucfs.config import KiB, MiB, MountConfig
 from ucfs.errors import StaleError
+from ucfs import prefetch
 from ucfs.prefetch import MemoryBudget, ObjectReader
 from ucfs.store import MemoryStore
 
@@ -215,3 +216,33 @@ def test_memory_budget_bounds_readahead_and_is_returned(cfg, cache):
     # Read-ahead stays inside the budget; only reads being waited on (one block each) may exceed it.
     assert peak <= cfg.readahead_budget_bytes + 8 * 2 * cfg.block_bytes
     assert budget.used_bytes == 0
+
+
+def test_waits_for_memory_take_back_read_ahead_that_went_idle(monkeypatch):
+    """The budget full of read-ahead nobody reads, and nothing being released: an upload waiting
+    for room, and a read waiting for the disk cache, must still get on once those blocks are idle
+    long enough to be taken back (the resource test once hung here until an unrelated read came)."""
+    monkeypatch.setattr(prefetch, "IDLE_RECLAIM_S", 0.2)
+    budget = MemoryBudget(8 * MiB)
+
+    class IdleReadAhead:
+        def _drop(self, index):
+            budget.release(MiB)
+            return MiB
+
+    reader = IdleReadAhead()
+
+    async def main():
+        for i in range(8):
+            budget.force_reserve(MiB)
+            budget.mark_idle(reader, i)
+        with trio.fail_after(5):
+            await budget.reserve(2 * MiB)  # nobody releases anything meanwhile
+        assert budget.used_bytes == 8 * MiB  # two idle blocks went, the upload got their room
+        budget.force_reserve(MiB)  # a read over the budget while a cache write is on its way
+        budget.caching_bytes = MiB
+        with trio.fail_after(5):
+            await budget.wait_for_disk()
+        assert budget.used_bytes <= budget.capacity_bytes
+
+    trio.run(main)
