@@ -23,6 +23,8 @@ class AsyncStore:
         self.name = store.name
         self.limiter = trio.CapacityLimiter(concurrency)
         self.limiter_name = f"store:{store.name}"
+        # Upload parts may be given as file ranges (s3http.FileBody) rather than bytes.
+        self.sends_files = bool(getattr(store, "sends_files", False))
 
     async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         if kwargs:

@@ -46,6 +46,7 @@ from .catalog import Volume
 from .config import MiB, MountConfig
 from .inodes import Inode
 from .journal import Journal, Record
+from .s3http import FileBody
 from .store import MAX_OBJECT_BYTES, MAX_PARTS
 
 if TYPE_CHECKING:
@@ -646,13 +647,26 @@ class Committer:
             await run_disk(self.core.cache.put_block, version, i, data)
 
     @contextlib.asynccontextmanager
-    async def _part_data(self, s: Staged, off: int, length: int, gen: int | None = None):
-        """The bytes of one upload part, read from s's staging file into a pooled buffer when the
+    async def _part_data(self, s: Staged, store: AsyncStore, off: int, length: int,
+                         gen: int | None = None):
+        """The body of one upload part. Where the store sends files (plain HTTP), that is the range
+        of s's staging file itself: sendfile(2) hands its page-cache pages to the socket, with no
+        copy into or out of our memory. Otherwise the bytes are read into a pooled buffer when the
         part is pool-sized: a fresh 8 MiB bytes object costs 2,048 page faults and an munmap, per
-        part. With `gen`, read under the file's lock and fail with _Changed if the file is no longer
-        at that generation (a stream reads appended data no write touches, without the lock)."""
-        pool = self.core.pool
+        part. With `gen`, check under the file's lock that the file is still at that generation, or
+        fail with _Changed (a stream reads appended data no write touches, without the lock).
+
+        A file range is read while it is sent, after the check: a write meanwhile can put newer
+        bytes in the part. Every caller checks the generation again before it completes the upload
+        (or, for a stream, any such write abandons the stream), so such a part is never published."""
         lock = s.lock if gen is not None else contextlib.nullcontext()
+        if store.sends_files:
+            async with lock:
+                if gen is not None and s.generation != gen:
+                    raise _Changed()
+            yield FileBody(s.fd, off, length)
+            return
+        pool = self.core.pool
         buf = pool.acquire(length)
         if buf is None:
             async with lock:
@@ -701,7 +715,7 @@ class Committer:
                 async with sem, self._part_slots:
                     await self.core.budget.reserve(length)
                     try:
-                        async with self._part_data(s, off, length, gen) as data:
+                        async with self._part_data(s, store, off, length, gen) as data:
                             parts[n] = await store.upload_part(vol.bucket, key, upload_id, n, data, length)
                     finally:
                         self.core.budget.release(length)
@@ -788,13 +802,14 @@ class Committer:
             async with self._part_slots:
                 await self.core.budget.reserve(length)
                 try:
-                    async with self._part_data(s, off, length) as data:
+                    store = self.core.store_for(vol)
+                    async with self._part_data(s, store, off, length) as data:
                         delay = RETRY_FIRST_S
                         for attempt in range(5):
                             if not st.valid:
                                 return
                             try:
-                                st.parts[n] = await self.core.store_for(vol).upload_part(
+                                st.parts[n] = await store.upload_part(
                                     vol.bucket, st.key, st.upload_id, n, data, length)
                                 self.stats["stream_parts"] += 1
                                 return

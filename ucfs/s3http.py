@@ -20,6 +20,7 @@ import hashlib
 import hmac
 import http.client
 import math
+import os
 import queue
 import select
 import socket
@@ -47,6 +48,23 @@ class Response:
     status: int
     headers: dict[str, str]  # lower-case names
     body: bytearray | bytes | memoryview
+
+
+@dataclass(frozen=True)
+class FileBody:
+    """A request body sent straight from a file with sendfile(2): bytes [offset, offset + length)
+    of the open file `fd`. The kernel hands page-cache pages to the socket, so the bytes are
+    neither read into a buffer of ours nor copied into the socket from one."""
+    fd: int
+    offset: int
+    length: int
+
+    def __len__(self) -> int:
+        return self.length
+
+
+class SourceShort(Exception):
+    """A FileBody's file ended before its length: the file shrank under the request."""
 
 
 class HTTPFailure(Exception):
@@ -163,7 +181,8 @@ class LeanClient:
 
     def request(self, method: str, bucket: str, key: str, headers: dict[str, str] | None = None,
                 into: bytearray | None = None, query: dict[str, str] | None = None,
-                body: bytes | bytearray | memoryview | None = None, sign_body: bool = False) -> Response:
+                body: bytes | bytearray | memoryview | FileBody | None = None,
+                sign_body: bool = False) -> Response:
         """One request; the whole body is read (into a single buffer when its length is known: `into`
         if it is large enough and the answer is a success, else a new one). Raises HTTPFailure when
         the connection breaks; HTTP errors come back as responses."""
@@ -174,6 +193,8 @@ class LeanClient:
         path = uri_encode_path(path)
         qs = canonical_query(query) if query else ""
         payload_hash = EMPTY_SHA256
+        if isinstance(body, FileBody) and (sign_body or self._ssl is not None):
+            body = read_file_body(body)  # hashed, or encrypted in user space: the bytes are needed
         if body is not None:
             payload_hash = hashlib.sha256(body).hexdigest() if sign_body else UNSIGNED_PAYLOAD
         hdrs = self.signer.headers(method, self._host_header(bucket), path, qs, self.credentials(),
@@ -198,7 +219,14 @@ class LeanClient:
     def _exchange(self, conn: http.client.HTTPConnection, method: str, target: str, hdrs: dict,
                   body, into: bytearray | None) -> Response:
         try:
-            conn.request(method, target, body=body, headers=hdrs)
+            if isinstance(body, FileBody):
+                conn.putrequest(method, target, skip_host=True, skip_accept_encoding=True)
+                for name, value in hdrs.items():
+                    conn.putheader(name, value)
+                conn.endheaders()
+                _send_file(conn.sock, body)
+            else:
+                conn.request(method, target, body=body, headers=hdrs)
             resp = conn.getresponse()
             rh = {k.lower(): v for k, v in resp.getheaders()}
             if method == "HEAD":
@@ -222,6 +250,9 @@ class LeanClient:
                         got += n
                     if not resp.isclosed():
                         resp.read()  # an empty body: let http.client see the response is complete
+        except SourceShort:
+            conn.close()  # the request went out incomplete: the connection cannot be reused
+            raise
         except (OSError, http.client.HTTPException) as e:
             conn.close()
             if isinstance(e, HTTPFailure):
@@ -239,6 +270,32 @@ class LeanClient:
                 self._idle.get_nowait().close()
             except queue.Empty:
                 return
+
+
+def read_file_body(body: FileBody) -> bytes:
+    data = os.pread(body.fd, body.length, body.offset)
+    if len(data) != body.length:
+        raise SourceShort(f"file ended after {len(data)} of {body.length} bytes")
+    return data
+
+
+def _send_file(sock: socket.socket, body: FileBody) -> None:
+    """sendfile(2) the whole range. The socket has a timeout, so it is non-blocking underneath:
+    wait for room with poll, up to that timeout each time."""
+    off, end = body.offset, body.offset + body.length
+    timeout = sock.gettimeout()
+    poller = select.poll()
+    poller.register(sock, select.POLLOUT)
+    while off < end:
+        try:
+            n = os.sendfile(sock.fileno(), body.fd, off, end - off)
+        except BlockingIOError:
+            if not poller.poll(None if timeout is None else timeout * 1000):
+                raise TimeoutError("timed out sending the request body") from None
+            continue
+        if n == 0:
+            raise SourceShort(f"file ended after {off - body.offset} of {body.length} bytes")
+        off += n
 
 
 _S3_NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"

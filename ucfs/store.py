@@ -117,9 +117,14 @@ class Counters:
             return dict(self._c)
 
 
-def _read_body(body: bytes | BinaryIO, size: int) -> bytes:
+def _read_body(body: bytes | BinaryIO | s3http.FileBody, size: int) -> bytes:
     if isinstance(body, (bytes, bytearray, memoryview)):
         return bytes(body)
+    if isinstance(body, s3http.FileBody):
+        try:
+            return s3http.read_file_body(body)
+        except s3http.SourceShort as e:
+            raise errors.StoreError(errors.EIO, f"upload source changed: {e}", transient=True) from None
     data = body.read(size)
     if len(data) != size:
         raise errors.StoreError(errors.EIO, f"short read from upload source: {len(data)} of {size} bytes")
@@ -215,6 +220,13 @@ class S3Store:
                 url, region=region_name, path_style=path_style or endpoint_url is not None,
                 credentials=credentials, pool_size=concurrency, timeout_s=read_timeout_s,
                 ca_bundle=session._session.get_config_variable("ca_bundle"))
+
+    @property
+    def sends_files(self) -> bool:
+        """Whether upload bodies may be `s3http.FileBody` ranges sent with sendfile(2): plain HTTP
+        and unsigned payloads (TLS and payload hashes need the bytes in user space; the lean client
+        then reads them itself, which a caller with pooled buffers does better)."""
+        return self._lean is not None and self._lean.scheme == "http" and not self.payload_signing
 
     @property
     def _client(self):
@@ -320,6 +332,10 @@ class S3Store:
             try:
                 r = self._lean.request(method, bucket, key, headers, into=into, query=query, body=body,
                                        sign_body=self.payload_signing)
+            except s3http.SourceShort as e:
+                self._counters.add("errors")
+                raise errors.StoreError(errors.EIO, f"upload source changed: {e}", key=key,
+                                        transient=True) from None
             except s3http.RETRYABLE as e:
                 err: errors.StoreError = errors.connection_error(f"store request failed: {e}", key=key)
             else:
@@ -444,14 +460,14 @@ class S3Store:
         return resp["UploadId"]
 
     def upload_part(self, bucket: str, key: str, upload_id: str, part_number: int,
-                    body: bytes | BinaryIO, size: int) -> str:
-        if self._lean is not None and isinstance(body, (bytes, bytearray, memoryview)):
+                    body: bytes | BinaryIO | s3http.FileBody, size: int) -> str:
+        if self._lean is not None and isinstance(body, (bytes, bytearray, memoryview, s3http.FileBody)):
             r = self._lean_request("upload_part", "PUT", bucket, key, {}, body=body,
                                    query={"partNumber": str(part_number), "uploadId": upload_id})
             self._counters.add("put_bytes", size)
             return _split_etag(r.headers.get("etag"))
-        if isinstance(body, memoryview):
-            body = bytes(body)  # botocore takes bytes or a file, not a view of a pooled buffer
+        if isinstance(body, (memoryview, s3http.FileBody)):
+            body = _read_body(body, size)  # botocore takes bytes or a file object
         resp = self._call("upload_part", key, self._client.upload_part, Bucket=bucket, Key=key,
                           UploadId=upload_id, PartNumber=part_number, Body=body, ContentLength=size)
         self._counters.add("put_bytes", size)

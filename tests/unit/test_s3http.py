@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import datetime
+import http.server
+import os
+import threading
 
 import botocore.auth
 import botocore.awsrequest
 import botocore.credentials
 import pytest
 
-from ucfs.s3http import Credentials, Signer, canonical_query, parse_error, parse_list, uri_encode_path
+from ucfs.s3http import (Credentials, FileBody, LeanClient, Signer, SourceShort, canonical_query, parse_error,
+                         parse_list, uri_encode_path)
 
 
 @pytest.mark.parametrize("key", ["plain.bin", "dir/sub dir/naïve+file (1).txt", "a%2Fb~c", "日本/データ"])
@@ -64,3 +68,70 @@ def test_parse_list_page():
     # Cut to the second, as HEAD and GET report it (an HTTP date has no fractions).
     assert res.objects == [("d/a.txt", 42, "abc", 1795953601000000000)]
     assert res.prefixes == ["d/sub/"] and res.next_token == "tok"
+
+
+class _PutSink(http.server.BaseHTTPRequestHandler):
+    """Answers every PUT with 200 after reading exactly Content-Length bytes, and keeps them."""
+    protocol_version = "HTTP/1.1"
+    bodies: list[bytes] = []
+
+    def do_PUT(self):
+        n = int(self.headers["content-length"])
+        body = self.rfile.read(n)
+        if len(body) < n:  # the client gave up mid-body
+            self.close_connection = True
+            return
+        type(self).bodies.append(body)
+        self.send_response(200)
+        self.send_header("ETag", '"e"')
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def put_sink():
+    _PutSink.bodies = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _PutSink)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = LeanClient(f"http://127.0.0.1:{server.server_address[1]}", region="us-east-1", path_style=True,
+                        credentials=lambda: Credentials("AK", "SK"), pool_size=2, timeout_s=10)
+    yield client, _PutSink.bodies
+    client.close()
+    server.shutdown()
+    server.server_close()
+
+
+def test_file_body_sends_exactly_its_range(put_sink, tmp_path):
+    """Upload parts go out with sendfile(2): the server must get the range's bytes, no more, no less,
+    also when the range is far larger than a socket buffer (the send waits for room)."""
+    client, bodies = put_sink
+    data = os.urandom(9 << 20)
+    path = tmp_path / "staged"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        r = client.request("PUT", "b", "k", body=FileBody(fd, 12345, 8 << 20),
+                           query={"partNumber": "1", "uploadId": "u"})
+        r2 = client.request("PUT", "b", "k2", body=FileBody(fd, 0, 10))
+    finally:
+        os.close(fd)
+    assert (r.status, r.headers["etag"], r2.status) == (200, '"e"', 200)
+    assert bodies == [data[12345:12345 + (8 << 20)], data[:10]]
+
+
+def test_file_body_of_a_shrunk_file_fails_and_spoils_no_connection(put_sink, tmp_path):
+    client, bodies = put_sink
+    path = tmp_path / "staged"
+    path.write_bytes(b"x" * 1000)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(SourceShort):
+            client.request("PUT", "b", "k", body=FileBody(fd, 0, 5000))
+        r = client.request("PUT", "b", "k", body=FileBody(fd, 500, 500))
+    finally:
+        os.close(fd)
+    assert r.status == 200
+    assert bodies == [b"x" * 500]
