@@ -1,8 +1,8 @@
 """The trio face of a `Store`: every call runs in a worker thread, never on the event loop.
 
-All store calls of a mount go through one named `CapacityLimiter` sized like the store's connection
-pool, so threads never queue for a socket and the number of threads stays bounded. Local disk I/O has
-its own limiter (`disk_limiter`) so a slow store never starves cache reads, and vice versa.
+All store calls of a mount go through one thread pool (`threads.ThreadPool`) sized like the store's
+connection pool, so threads never queue for a socket and the number of threads stays bounded. Local
+disk I/O has its own pool (`run_disk`) so a slow store never starves cache reads, and vice versa.
 """
 
 from __future__ import annotations
@@ -10,9 +10,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, TypeVar
 
-import trio
-
 from .store import ListPage, ObjectInfo, Store, Upload
+from .threads import ThreadPool
 
 T = TypeVar("T")
 
@@ -21,15 +20,14 @@ class AsyncStore:
     def __init__(self, store: Store, concurrency: int):
         self.store = store
         self.name = store.name
-        self.limiter = trio.CapacityLimiter(concurrency)
-        self.limiter_name = f"store:{store.name}"
+        self.pool = ThreadPool("store", concurrency)
         # Upload parts may be given as file ranges (s3http.FileBody) rather than bytes.
         self.sends_files = bool(getattr(store, "sends_files", False))
 
     async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         if kwargs:
             fn = functools.partial(fn, **kwargs)
-        return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+        return await self.pool.run(fn, *args)
 
     async def head(self, bucket: str, key: str) -> ObjectInfo:
         return await self._run(self.store.head, bucket, key)
@@ -75,17 +73,10 @@ class AsyncStore:
         await self._run(self.store.check_bucket, bucket)
 
 
-# Local disk work (cache blocks, staging files) shares one limiter: enough threads to keep a fast
-# SSD busy while a few are blocked on fsync, few enough not to thrash a 2-core host.
-_DISK_LIMITER: trio.CapacityLimiter | None = None
-
-
-def disk_limiter() -> trio.CapacityLimiter:
-    global _DISK_LIMITER
-    if _DISK_LIMITER is None:
-        _DISK_LIMITER = trio.CapacityLimiter(16)
-    return _DISK_LIMITER
+# Local disk work (cache blocks, staging files) shares one pool: enough threads to keep a fast SSD
+# busy while a few are blocked on fsync, few enough not to thrash a 2-core host.
+_DISK_POOL = ThreadPool("disk", 16)
 
 
 async def run_disk(fn: Callable[..., T], *args: Any) -> T:
-    return await trio.to_thread.run_sync(fn, *args, limiter=disk_limiter())
+    return await _DISK_POOL.run(fn, *args)

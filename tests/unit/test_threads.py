@@ -1,0 +1,91 @@
+"""ucfs.threads.ThreadPool: the thread hop under every store request and disk call."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import trio
+
+from ucfs.threads import ThreadPool
+
+
+def test_results_errors_and_the_bound_on_concurrency():
+    pool = ThreadPool("t", 3)
+    lock = threading.Lock()
+    now = {"running": 0, "max": 0}
+
+    def work(i: int) -> int:
+        with lock:
+            now["running"] += 1
+            now["max"] = max(now["max"], now["running"])
+        time.sleep(0.01)
+        with lock:
+            now["running"] -= 1
+        if i == 7:
+            raise KeyError(i)
+        return i * i
+
+    results: dict[int, object] = {}
+
+    async def one(i: int) -> None:
+        try:
+            results[i] = await pool.run(work, i)
+        except KeyError as e:
+            results[i] = e
+
+    async def main():
+        async with trio.open_nursery() as n:
+            for i in range(20):
+                n.start_soon(one, i)
+
+    trio.run(main)
+    assert {i: v for i, v in results.items() if i != 7} == {i: i * i for i in range(20) if i != 7}
+    assert isinstance(results[7], KeyError)
+    assert now["max"] == 3
+    assert pool.statistics()["threads"] == 3
+
+
+def test_idle_threads_end_and_new_calls_start_them_again():
+    pool = ThreadPool("t", 4, idle_timeout_s=0.05)
+
+    async def burst():
+        async with trio.open_nursery() as n:
+            for _ in range(8):
+                n.start_soon(pool.run, time.sleep, 0.01)
+
+    trio.run(burst)
+    assert pool.statistics()["threads"] == 4
+    deadline = time.monotonic() + 5
+    while pool.statistics()["threads"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool.statistics()["threads"] == 0
+    assert trio.run(pool.run, sum, [1, 2, 3]) == 6  # works again after every thread ended
+
+
+def test_a_cancelled_caller_starts_nothing_and_a_running_call_finishes():
+    pool = ThreadPool("t", 1)
+    started, finished = [], []
+
+    def slow():
+        started.append(1)
+        time.sleep(0.2)
+        finished.append(1)
+        return "done"
+
+    async def main():
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await pool.run(slow)  # cancelled before it starts
+        assert started == []
+        with trio.move_on_after(0.05):
+            got = await pool.run(slow)  # cannot be abandoned: waits for the thread
+        assert got == "done" and finished == [1]
+
+    trio.run(main)
+
+
+def test_needs_a_thread():
+    with pytest.raises(ValueError):
+        ThreadPool("t", 0)
