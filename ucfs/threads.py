@@ -9,13 +9,16 @@ upload, clean-up). What a hop must cost - waking a thread, the GIL, waking the e
 Semantics are those of `to_thread.run_sync` without `abandon_on_cancel`: a call checks for
 cancellation before it starts and then cannot be cancelled; its result or exception comes back to
 the calling task. At most `max_threads` calls run at once (later ones queue, oldest first); threads
-start when calls need them and end after `idle_timeout_s` without work.
+start when calls need them and end after `idle_timeout_s` without work. A child process made by
+fork() starts with empty pools: its parent's threads do not exist there.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
+import weakref
 from typing import Any, Callable, TypeVar
 
 import outcome
@@ -24,6 +27,17 @@ import trio
 T = TypeVar("T")
 
 IDLE_TIMEOUT_S = 10.0
+
+
+_POOLS: "weakref.WeakSet[ThreadPool]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for pool in list(_POOLS):
+        pool._reset()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _cannot_abort(_raise_cancel) -> trio.lowlevel.Abort:
@@ -37,6 +51,11 @@ class ThreadPool:
         self.name = name
         self.max_threads = max_threads
         self.idle_timeout_s = idle_timeout_s
+        self._serial = 0
+        self._reset()
+        _POOLS.add(self)
+
+    def _reset(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         # Jobs are queued under the lock, so a thread that finds the queue empty under it may end:
         # whoever queues next sees one idle thread fewer and starts another if needed.
@@ -44,7 +63,6 @@ class ThreadPool:
         self._threads = 0
         self._idle = 0
         self._queued = 0
-        self._serial = 0
         self.running = 0  # calls being run now, for statistics
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -89,3 +91,18 @@ def test_a_cancelled_caller_starts_nothing_and_a_running_call_finishes():
 def test_needs_a_thread():
     with pytest.raises(ValueError):
         ThreadPool("t", 0)
+
+
+def test_a_forked_child_starts_with_an_empty_pool():
+    pool = ThreadPool("t", 2)
+    assert trio.run(pool.run, sum, [1, 2]) == 3  # the parent now has a thread
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's thread does not exist here; a call must still run
+        signal.alarm(5)  # without a fresh pool the call would wait forever: end the child then
+        ok = False
+        try:
+            ok = trio.run(pool.run, sum, [3, 4]) == 7 and pool.statistics()["threads"] == 1
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
