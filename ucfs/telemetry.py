@@ -32,8 +32,9 @@ log = logging.getLogger(__name__)
 WATCHDOG_PERIOD_S = 0.05
 # Stalls longer than this are logged as they happen.
 STALL_LOG_S = 0.1
-# How often the stall sampler thread looks whether the loop is overdue. Finer than the stalls we
-# explain, coarse enough to cost nothing measurable (it only reads a float).
+# The stall sampler thread looks whether the loop is overdue at most this often. It sleeps until
+# the loop's latest beat would be overdue, so a healthy loop wakes it ~8 times a second, not 50:
+# every wake-up takes the GIL from the loop.
 SAMPLER_PERIOD_S = 0.02
 # Frames of the loop thread's stack kept per sample (innermost last), enough to see what blocked.
 SAMPLE_FRAMES = 10
@@ -110,10 +111,12 @@ class LoopWatchdog:
 
     def _sample_stalls(self) -> None:
         """Helper thread: while the loop is overdue, take one sample of its stack per stall."""
+        overdue_after = WATCHDOG_PERIOD_S + STALL_LOG_S * 0.8
         while self._running:
-            time.sleep(SAMPLER_PERIOD_S)
             beat = self._beat
-            if time.monotonic() - beat < WATCHDOG_PERIOD_S + STALL_LOG_S * 0.8:
+            time.sleep(max(SAMPLER_PERIOD_S, beat + overdue_after - time.monotonic()))
+            beat = self._beat
+            if time.monotonic() - beat < overdue_after:
                 continue
             if self._sample is not None and self._sample[0] == beat:
                 continue  # this stall has its sample

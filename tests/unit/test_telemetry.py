@@ -1,0 +1,32 @@
+"""The event-loop watchdog explains a stall with where the loop thread was while it lasted."""
+
+from __future__ import annotations
+
+import time
+
+import trio
+
+from ucfs import telemetry
+
+
+def _block_the_loop_for(seconds: float) -> None:
+    time.sleep(seconds)  # what a blocking call on the event loop would do
+
+
+def test_a_stall_is_measured_and_its_stack_sampled():
+    dog = telemetry.LoopWatchdog()
+
+    async def main():
+        async with trio.open_nursery() as n:
+            n.start_soon(dog.run)
+            await trio.sleep(0.3)  # healthy for a while: the sampler sleeps until a beat is overdue
+            _block_the_loop_for(0.4)
+            await trio.sleep(0.2)  # the watchdog wakes late, and reports
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+    stats = dog.statistics()
+    assert 300 <= stats["loop_max_stall_ms"] < 1000, stats
+    assert stats["loop_stalls_over_100ms"] == 1, stats
+    (sample,) = stats["loop_stall_samples"]
+    assert any("_block_the_loop_for" in frame for frame in sample["stack"]), sample
