@@ -652,47 +652,50 @@ class Committer:
                          gen: int | None = None):
         """The body of one upload part. Where the store sends files (plain HTTP), that is the range
         of s's staging file itself: sendfile(2) hands its page-cache pages to the socket, with no
-        copy into or out of our memory. Otherwise the bytes are read into a pooled buffer when the
-        part is pool-sized: a fresh 8 MiB bytes object costs 2,048 page faults and an munmap, per
-        part. With `gen`, check under the file's lock that the file is still at that generation, or
-        fail with _Changed (a stream reads appended data no write touches, without the lock).
+        copy into or out of our memory, so it takes nothing from the memory budget. Otherwise the
+        bytes are read, under the budget, into a pooled buffer when the part is pool-sized: a fresh
+        8 MiB bytes object costs 2,048 page faults and an munmap, per part. With `gen`, check under
+        the file's lock that the file is still at that generation, or fail with _Changed (a stream
+        reads appended data no write touches, without the lock).
 
         A file range is read while it is sent, after the check: a write meanwhile can put newer
         bytes in the part. Every caller checks the generation again before it completes the upload
         (or, for a stream, any such write abandons the stream), so such a part is never published."""
         lock = s.lock if gen is not None else contextlib.nullcontext()
-        if store.sends_files:
+
+        async def read(fn, *args):
             async with lock:
                 if gen is not None and s.generation != gen:
                     raise _Changed()
+                return await run_disk(fn, *args) if fn is not None else None
+
+        if store.sends_files:
+            await read(None)
             yield FileBody(s.fd, off, length)
             return
-        pool = self.core.pool
+        budget, pool = self.core.budget, self.core.pool
+        await budget.reserve(length)
         buf = pool.acquire(length)
-        if buf is None:
-            async with lock:
-                if gen is not None and s.generation != gen:
-                    raise _Changed()
-                data = await run_disk(os.pread, s.fd, length, off)
-            yield data
-            return
-        whole = memoryview(buf)
-        data = None
+        whole = data = None
         try:
-            async with lock:
-                if gen is not None and s.generation != gen:
-                    raise _Changed()
-                n = await run_disk(os.preadv, s.fd, [whole[:length]], off)
+            if buf is None:
+                data = await read(os.pread, s.fd, length, off)
+                yield data
+                return
+            whole = memoryview(buf)
+            n = await read(os.preadv, s.fd, [whole[:length]], off)
             data = whole[:n]
             yield data
         finally:
-            for view in (data, whole):
-                if view is not None:
-                    try:
-                        view.release()
-                    except BufferError:
-                        pass  # still in use somewhere: the pool sees that and drops the buffer
-            pool.release(buf)
+            if buf is not None:
+                for view in (data, whole):
+                    if view is not None:
+                        try:
+                            view.release()
+                        except BufferError:
+                            pass  # still in use somewhere: the pool sees that and drops the buffer
+                pool.release(buf)
+            budget.release(length)
 
     async def _multipart(self, s: Staged, store: AsyncStore, key: str) -> object:
         vol = s.volume
@@ -714,12 +717,8 @@ class Committer:
 
             async def one(n: int, off: int, length: int) -> None:
                 async with sem, self._part_slots:
-                    await self.core.budget.reserve(length)
-                    try:
-                        async with self._part_data(s, store, off, length, gen) as data:
-                            parts[n] = await store.upload_part(vol.bucket, key, upload_id, n, data, length)
-                    finally:
-                        self.core.budget.release(length)
+                    async with self._part_data(s, store, off, length, gen) as data:
+                        parts[n] = await store.upload_part(vol.bucket, key, upload_id, n, data, length)
 
             try:
                 async with trio.open_nursery() as nursery:
@@ -800,27 +799,21 @@ class Committer:
             await st.created.wait()
             if not st.valid or st.upload_id is None:
                 return
-            async with self._part_slots:
-                await self.core.budget.reserve(length)
-                try:
-                    store = self.core.store_for(vol)
-                    async with self._part_data(s, store, off, length) as data:
-                        delay = RETRY_FIRST_S
-                        for attempt in range(5):
-                            if not st.valid:
-                                return
-                            try:
-                                st.parts[n] = await store.upload_part(
-                                    vol.bucket, st.key, st.upload_id, n, data, length)
-                                self.stats["stream_parts"] += 1
-                                return
-                            except errors.StoreError as e:
-                                if not e.transient or attempt == 4:
-                                    raise
-                                await trio.sleep(delay * (0.5 + random.random()))
-                                delay = min(delay * 2, RETRY_CAP_S)
-                finally:
-                    self.core.budget.release(length)
+            store = self.core.store_for(vol)
+            async with self._part_slots, self._part_data(s, store, off, length) as data:
+                delay = RETRY_FIRST_S
+                for attempt in range(5):
+                    if not st.valid:
+                        return
+                    try:
+                        st.parts[n] = await store.upload_part(vol.bucket, st.key, st.upload_id, n, data, length)
+                        self.stats["stream_parts"] += 1
+                        return
+                    except errors.StoreError as e:
+                        if not e.transient or attempt == 4:
+                            raise
+                        await trio.sleep(delay * (0.5 + random.random()))
+                        delay = min(delay * 2, RETRY_CAP_S)
         except errors.StoreError as e:
             st.error = e
             self._invalidate_stream(s, f"part upload failed: {e}")
