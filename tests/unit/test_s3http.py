@@ -6,6 +6,7 @@ import datetime
 import http.server
 import os
 import threading
+import time
 
 import botocore.auth
 import botocore.awsrequest
@@ -135,3 +136,137 @@ def test_file_body_of_a_shrunk_file_fails_and_spoils_no_connection(put_sink, tmp
         os.close(fd)
     assert r.status == 200
     assert bodies == [b"x" * 500]
+
+
+class _Scripted:
+    """A raw HTTP server on loopback that answers each request with the next canned response (bytes
+    sent as they are, in the pieces given), and notes which connection each request came on."""
+
+    def __init__(self, responses: list[list[bytes] | bytes]):
+        import socket
+
+        self.responses = list(responses)
+        self.requests: list[tuple[int, bytes]] = []  # (connection number, request head + body)
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.connections = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._one, args=(conn, self.connections), daemon=True).start()
+
+    def _one(self, conn, number):
+        buf = b""
+        with conn:
+            while self.responses:
+                while b"\r\n\r\n" not in buf:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        return
+                    buf += chunk
+                head, _, buf = buf.partition(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n")[1:]:
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                while len(buf) < length:
+                    buf += conn.recv(65536)
+                body, buf = buf[:length], buf[length:]
+                self.requests.append((number, head + b"\r\n\r\n" + body))
+                answer = self.responses.pop(0)
+                for piece in [answer] if isinstance(answer, bytes) else answer:
+                    conn.sendall(piece)
+                    time.sleep(0.01)  # separate segments: the client must put them together
+                if answer == b"" or b"Connection: close" in b"".join(
+                        [answer] if isinstance(answer, bytes) else answer):
+                    return
+
+    def client(self, timeout_s: float = 5) -> LeanClient:
+        return LeanClient(f"http://127.0.0.1:{self.port}", region="us-east-1", path_style=True,
+                          credentials=lambda: Credentials("AK", "SK"), pool_size=2, timeout_s=timeout_s)
+
+    def close(self):
+        self.sock.close()
+
+
+def _ok(body: bytes, extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n%s\r\n%s" % (len(body), extra, body)
+
+
+def test_responses_in_pieces_and_keep_alive():
+    """Heads and bodies split across segments are put together; answers framed by Content-Length
+    keep the connection for the next request, a HEAD's Content-Length frames no body."""
+    body = os.urandom(200_000)
+    srv = _Scripted([
+        [b"HTTP/1.1 200 OK\r\nETag: \"e1\"\r\nContent-Le", b"ngth: 200000\r\n\r\n" + body[:10], body[10:150_000],
+         body[150_000:]],
+        b"HTTP/1.1 200 OK\r\nContent-Length: 123\r\nETag: \"e2\"\r\n\r\n",  # HEAD: no body follows
+        _ok(b"tail"),
+    ])
+    c = srv.client()
+    into = bytearray(300_000)
+    r = c.request("GET", "b", "k", into=into)
+    assert (r.status, r.headers["etag"], bytes(r.body)) == (200, '"e1"', body)
+    assert r.body.obj is into  # read straight into the caller's buffer
+    h = c.request("HEAD", "b", "k")
+    assert (h.status, h.headers["content-length"], h.body) == (200, "123", b"")
+    assert bytes(c.request("GET", "b", "k2").body) == b"tail"
+    assert [n for n, _ in srv.requests] == [1, 1, 1] and srv.connections == 1
+    assert srv.requests[0][1].startswith(b"GET /b/k HTTP/1.1\r\n")
+    c.close()
+    srv.close()
+
+
+def test_chunked_body_interim_answer_and_close():
+    """A chunked body (with a chunk extension and a trailer) after a 100 Continue; an answer that says
+    Connection: close is not reused; an error body never lands in the caller's buffer."""
+    srv = _Scripted([
+        [b"HTTP/1.1 100 Continue\r\n\r\n", b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+         b"5;ext=1\r\nhello\r\n", b"6\r\n world\r\n0\r\nX-Trailer: t\r\n\r\n"],
+        b"HTTP/1.1 404 Not Found\r\nContent-Length: 9\r\nConnection: close\r\n\r\n<Error/>\n",
+        _ok(b"again"),
+    ])
+    c = srv.client()
+    r = c.request("GET", "b", "k")
+    assert (r.status, bytes(r.body)) == (200, b"hello world")
+    into = bytearray(100)
+    e = c.request("GET", "b", "missing", into=into)
+    assert (e.status, bytes(e.body)) == (404, b"<Error/>\n") and into == bytearray(100)
+    assert bytes(c.request("GET", "b", "k").body) == b"again"
+    assert [n for n, _ in srv.requests] == [1, 1, 2]
+    c.close()
+    srv.close()
+
+
+@pytest.mark.parametrize("answer", [
+    [b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + b"x" * 40],  # cut short, then closed
+    [b"SPDY/9 200 OK\r\n\r\n"],
+    [b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n"],
+    [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"],
+])
+def test_broken_responses_fail_the_request(answer):
+    from ucfs.s3http import HTTPFailure
+
+    srv = _Scripted([answer + [b""]])
+    c = srv.client(timeout_s=2)
+    with pytest.raises(HTTPFailure):
+        c.request("GET", "b", "k")
+    c.close()
+    srv.close()
+
+
+def test_body_read_to_close_and_header_injection_refused():
+    srv = _Scripted([[b"HTTP/1.0 200 OK\r\n\r\nsome ", b"bytes", b""]])
+    c = srv.client()
+    assert bytes(c.request("GET", "b", "k").body) == b"some bytes"
+    with pytest.raises(ValueError):
+        c.request("GET", "b", "k", headers={"range": "bytes=0-1\r\nx-evil: 1"})
+    c.close()
+    srv.close()
