@@ -164,9 +164,9 @@ class LeanClient:
             except queue.Empty:
                 break
             # An idle keep-alive socket the server has closed (or written to) reads as ready: it
-            # would fail the request we put on it, so drop it now.
-            readable, _, _ = select.select([conn.sock], [], [], 0)
-            if readable:
+            # would fail the request we put on it, so drop it now. (poll, not select: a daemon with
+            # many files open has socket numbers past select's limit of 1024.)
+            if _readable(conn.sock):
                 conn.close()
                 continue
             return conn, True
@@ -295,6 +295,12 @@ _COALESCE_BODY_BYTES = 64 * 1024
 # The most a response's status line and headers may take; S3's are well under 4 KiB.
 _MAX_HEAD_BYTES = 64 * 1024
 _RECV_BYTES = 64 * 1024
+
+
+def _readable(sock: socket.socket) -> bool:
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def _request_head(method: str, target: str, hdrs: dict[str, str]) -> bytes:

@@ -270,3 +270,28 @@ def test_body_read_to_close_and_header_injection_refused():
         c.request("GET", "b", "k", headers={"range": "bytes=0-1\r\nx-evil: 1"})
     c.close()
     srv.close()
+
+
+def test_idle_connections_are_checked_past_descriptor_1024(put_sink, tmp_path):
+    """A daemon with many files open hands out socket numbers above 1024, where select() cannot
+    look: reusing a pooled connection must still work there."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 1200:
+        pytest.skip("the descriptor limit is below 1200 here")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = []
+    try:
+        while True:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+            if held[-1] >= 1100:
+                break
+        client, bodies = put_sink
+        assert client.request("PUT", "b", "k", body=b"one").status == 200
+        assert client.request("PUT", "b", "k", body=b"two").status == 200  # a reused connection
+        assert bodies == [b"one", b"two"]
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
