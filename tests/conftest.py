@@ -102,6 +102,7 @@ def prefix(s3, bucket, request) -> str:
 @pytest.fixture
 def mount_factory(tmp_path, s3_endpoint, bucket, prefix):
     """Start mounts of this test's prefix: mount_factory(volumes=None, args=(), name='m').
+    `open_files`: the soft limit on open files the daemon starts with.
 
     `endpoint` puts something else in the catalog (a fault-injecting proxy in front of the server)."""
     if (why := _fuse_available()) is not None:
@@ -109,10 +110,12 @@ def mount_factory(tmp_path, s3_endpoint, bucket, prefix):
     mounts: list[Mount] = []
 
     def factory(volumes: dict[str, dict] | None = None, args: tuple[str, ...] = (), name: str = "m",
-                start: bool = True, endpoint: S3Endpoint | None = None, root=None) -> Mount:
+                start: bool = True, endpoint: S3Endpoint | None = None, root=None,
+                open_files: int | None = None) -> Mount:
         volumes = volumes or {"test.s.vol": {"prefix": f"{prefix}/vol"}}
         ep = endpoint or s3_endpoint
-        m = Mount(root or tmp_path / name, ep, make_catalog(ep, bucket, volumes), tuple(args))
+        m = Mount(root or tmp_path / name, ep, make_catalog(ep, bucket, volumes), tuple(args),
+                  open_files=open_files)
         mounts.append(m)
         return m.start() if start else m
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -91,6 +92,7 @@ class Mount:
     catalog_text: str
     extra_args: tuple[str, ...] = ()
     proc: subprocess.Popen | None = None
+    open_files: int | None = None  # soft RLIMIT_NOFILE the daemon starts with (default: ours)
 
     @property
     def mountpoint(self) -> Path:
@@ -119,7 +121,7 @@ class Mount:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ucfs", "mount", str(self.mountpoint), "--foreground", "--config", str(cat),
              "--cache-dir", str(self.state_dir), "--log-level", "debug", *self.extra_args],
-            stdout=log, stderr=subprocess.STDOUT, env=self.env(), cwd=REPO)
+            stdout=log, stderr=subprocess.STDOUT, env=self.env(), cwd=REPO, preexec_fn=self._limits)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -132,6 +134,11 @@ class Mount:
                     pass
             time.sleep(0.05)
         raise RuntimeError(f"ucfs mount not ready after {timeout} s:\n{self.log_tail()}")
+
+    def _limits(self) -> None:
+        if self.open_files is not None:
+            _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (self.open_files, hard))
 
     def log_tail(self, n: int = 40) -> str:
         try:

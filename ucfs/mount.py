@@ -15,6 +15,7 @@ import gc
 import json
 import logging
 import os
+import resource
 import signal
 import subprocess
 from dataclasses import dataclass
@@ -173,6 +174,38 @@ def tune_fuse_connection(bdi: str) -> None:
 MMAP_THRESHOLD_BYTES = 1 << 20
 
 
+# The most open files the daemon asks for (soft limit), when the hard limit allows it.
+OPEN_FILES_WANTED = 1 << 20
+# Below this, say in the log that the limit bounds how many files can be written at once.
+OPEN_FILES_WARN_BELOW = 4096
+
+
+def raise_open_file_limit() -> int:
+    """Raise the soft limit on open files to the hard limit; returns the limit now in force.
+
+    Every file being written, or closed and waiting for its commit, keeps its staging file open, and
+    each store connection is a socket. The usual soft limit of 1,024 would make a burst of small
+    writes (a `cp -r` of thousands of files closes them faster than they upload) fail with EMFILE;
+    the hard limit, usually far higher, is there to be asked for.
+    """
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (OSError, ValueError):
+        return -1
+    want = OPEN_FILES_WANTED if hard == resource.RLIM_INFINITY else min(hard, OPEN_FILES_WANTED)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            log.debug("open files: soft limit raised from %d to %d", soft, want)
+            soft = want
+        except (OSError, ValueError) as e:
+            log.debug("cannot raise the open-file limit from %d: %s", soft, e)
+    if soft != resource.RLIM_INFINITY and soft < OPEN_FILES_WARN_BELOW:
+        log.warning("the open-file limit is %d (hard limit %d): at most about that many files can be "
+                    "written or wait for their commit at once; raise it with ulimit -Hn", soft, hard)
+    return soft
+
+
 def tune_allocator() -> None:
     """Tune glibc's allocator for a daemon whose memory must stay within one budget.
 
@@ -234,6 +267,7 @@ async def serve(catalog: Catalog, cfg: MountConfig, opts: MountOptions,
     """Mount, serve until unmounted or signalled, then shut down in order."""
     mountpoint = check_mountpoint(opts.mountpoint)
     tune_allocator()
+    raise_open_file_limit()
     state = ensure_private_dir(opts.state_dir)
     lock = StateDirLock(state)
     lock.acquire()

@@ -297,3 +297,37 @@ def test_status_and_metrics_show_the_live_figures(fault_proxy, mount_factory, s3
     local = [f[1] for f in listening if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port]
     assert local == ["0100007F:%04X" % port], local  # 127.0.0.1 only
     fault_proxy.clear()
+
+
+def test_many_files_written_at_once_under_a_low_open_file_limit(mount_factory, s3, bucket, prefix):
+    """Each file being written holds a staging file open in the daemon until its commit. Started
+    with a soft limit of 128 open files (login shells often give 1,024), the daemon raises it to the
+    hard limit: 400 files open for writing at once are all created, written and committed."""
+    import resource
+
+    from tests.support import keys, obj, sync_dir
+
+    n = 400
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2 * n:
+        pytest.skip(f"the hard limit on open files here is {hard}")
+    m = mount_factory(open_files=128)
+    d = m.path() / "many"
+    d.mkdir()
+    fds = []
+    try:
+        for i in range(n):
+            fd = os.open(d / f"f{i:03d}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            fds.append(fd)
+            os.write(fd, f"file {i}\n".encode())
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert len(fds) == n
+    sync_dir(d)
+    stored = [k for k in keys(s3, bucket, f"{prefix}/vol/many/") if not k.endswith("/")]  # not the marker
+    assert len(stored) == n
+    assert obj(s3, bucket, f"{prefix}/vol/many/f123") == b"file 123\n"
+    limits = open(f"/proc/{m.proc.pid}/limits").read()
+    soft = int(next(line for line in limits.splitlines() if line.startswith("Max open files")).split()[3])
+    assert soft > 128
