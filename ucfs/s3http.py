@@ -460,7 +460,8 @@ class ListResult:
 def parse_list(body: bytes | bytearray) -> ListResult:
     """A ListObjectsV2 answer (namespaced or not, as servers differ) into plain tuples.
 
-    botocore parses the same 1,000-entry page in ~50 ms (a date parser per entry); this takes ~3 ms.
+    About a tenth of botocore's CPU for the same 1,000-entry page (a date parser per entry there):
+    11 ms against 129 ms, measured side by side on a busy 2-core VM.
     """
     root = ElementTree.fromstring(bytes(body))
     ns = _S3_NS if root.tag.startswith(_S3_NS) else ""
