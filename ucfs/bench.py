@@ -415,6 +415,29 @@ class ProxyProcess:
         self.proc = None
 
 
+class Leftovers:
+    """Files and directories a bench phase leaves behind (a cache, copies), removed when the run
+    ends, not between phases. On ext4 without a journal, as on the VMs we measure on, the inode
+    allocator skips every inode freed in the last minutes one by one: deleting 2,000 files right
+    before a phase made each file that phase created scan past them (15-20% of the daemon's CPU in
+    mount.small_parallel, all of it in `recently_deleted`). A bench must not charge its own
+    housekeeping to the next figure. Used by `torchio.bench` too."""
+
+    def __init__(self) -> None:
+        self._paths: list[Path] = []
+
+    def add(self, path: Path) -> None:
+        self._paths.append(path)
+
+    def remove_all(self) -> None:
+        for p in self._paths:
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+        self._paths.clear()
+
+
 class BenchMount:
     """One `ucfs mount --foreground` daemon on its own mountpoint and fresh cache directory."""
 
@@ -627,7 +650,7 @@ class Bench:
         self.figures: dict[str, Figure] = {}
         self.details: dict[str, dict] = {}
         self.stack = contextlib.ExitStack()
-        self._leftovers: list[Path] = []
+        self.leftovers = Leftovers()
         self.loadavg_start = os.getloadavg()
         self.direct: Endpoint | None = None  # the store itself (setup, checks)
         self.measured: Endpoint | None = None  # what ceilings and mounts talk to (the proxy, if any)
@@ -641,23 +664,6 @@ class Bench:
         self.src_small: Path | None = None
 
     # -- orchestration --------------------------------------------------------------------------
-    def _discard_later(self, path: Path) -> None:
-        """Remove a phase's leftovers (a cache directory, copies) when the run ends, not between
-        phases. On ext4 without a journal, as on the VMs we measure on, the inode allocator skips
-        every inode freed in the last minutes one by one: deleting 2,000 files right before a phase
-        made each file that phase created scan past them (15-20% of the daemon's CPU in
-        mount.small_parallel, all of it in `recently_deleted`). The bench must not charge its own
-        housekeeping to the next figure."""
-        self._leftovers.append(path)
-
-    def _remove_leftovers(self) -> None:
-        for p in self._leftovers:
-            if p.is_dir():
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                p.unlink(missing_ok=True)
-        self._leftovers.clear()
-
     def run(self) -> None:
         ok = False
         try:
@@ -667,7 +673,7 @@ class Bench:
             # A second Ctrl-C during cleanup would leave mounts or servers behind.
             with _sigint_deferred():
                 self.stack.close()
-                self._remove_leftovers()
+                self.leftovers.remove_all()
                 if self.temp_work:
                     self._discard_work_dir(keep_logs=not ok)
 
@@ -801,7 +807,7 @@ class Bench:
 
     @contextlib.contextmanager
     def _mount(self, name: str):
-        m = BenchMount(self.work, self.catalog, self.env, name, discard=self._discard_later)
+        m = BenchMount(self.work, self.catalog, self.env, name, discard=self.leftovers.add)
         try:
             m.start()
             yield m
@@ -972,7 +978,7 @@ class Bench:
             dt, _ = _run_timed(["dd", f"if={self.src_large}", f"of={dst}", "bs=1M", "conv=fsync"],
                                "ceiling.local_write")
         finally:
-            self._discard_later(dst)
+            self.leftovers.add(dst)
         say(f"ceiling.local_write: {dt:.2f} s = {self.o.size / dt / 1e6:.0f} MB/s")
         self._figure(Figure("ceiling.local_write", dt, "s"), bytes=self.o.size)
 
@@ -1061,7 +1067,7 @@ class Bench:
             dt, _ = _run_timed(["cp", "-r", str(src), str(dest)], "mount.small_serial", mount=m)
             req = _request_delta(r0, m.requests())
         n = self._check_copies(dest, "mount.small_serial")
-        self._discard_later(dest)
+        self.leftovers.add(dest)
         rate = n / dt
         say(f"mount.small_serial: {n} files in {dt:.2f} s = {rate:.0f} files/s (requests: {_fmt_requests(req)})")
         ceiling = self.figures.get("ceiling.small_get")
@@ -1085,7 +1091,7 @@ class Bench:
             dt = time.monotonic() - t0
             req = _request_delta(r0, m.requests())
         n = self._check_copies(dest, "mount.small_parallel", verify=3)
-        self._discard_later(dest)
+        self.leftovers.add(dest)
         rate = n / dt
         say(f"mount.small_parallel: {n} files in {dt:.2f} s = {rate:.0f} files/s "
             f"({SMALL_PARALLEL} cp at a time; requests: {_fmt_requests(req)})")
