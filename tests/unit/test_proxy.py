@@ -5,9 +5,11 @@ A tiny threaded TCP server stands in for the S3 endpoint; nothing here needs FUS
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import socket
 import socketserver
+import struct
 import threading
 import time
 
@@ -19,8 +21,9 @@ MiB = 1 << 20
 
 
 class _Handler(socketserver.BaseRequestHandler):
-    """Line protocol: 'ping\\n' -> 'pong\\n'; 'sink N\\n' then N bytes -> 'got N\\n';
-    'greet' servers say hello before the client says anything."""
+    """Line protocol: 'ping\\n' -> 'pong\\n'; 'sink N\\n' then N bytes -> 'got N\\n'; 'echo N\\n'
+    then N bytes -> the same bytes; 'rst N\\n' -> N bytes, then a reset. 'greet' servers say hello
+    before the client says anything."""
 
     def handle(self) -> None:
         sock: socket.socket = self.request
@@ -46,6 +49,12 @@ class _Handler(socketserver.BaseRequestHandler):
             elif line.startswith(b"echo "):
                 n = int(line.split()[1])
                 sock.sendall(f.read(n))
+            elif line.startswith(b"rst "):  # N bytes, then a reset instead of a clean end
+                sock.sendall(b"r" * int(line.split()[1]))
+                time.sleep(0.1)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                sock.close()
+                return
 
 
 class _Server(socketserver.ThreadingTCPServer):
@@ -141,6 +150,54 @@ def test_bytes_arrive_in_order(server):
             assert chunk
             got += chunk
     assert bytes(got) == data
+
+
+def _recv_exactly(s: socket.socket, n: int, pause_s: float = 0.0) -> bytes:
+    got = bytearray()
+    while len(got) < n:
+        chunk = s.recv(min(MiB, n - len(got)))
+        assert chunk, f"the stream ended after {len(got)} of {n} bytes"
+        got += chunk
+        time.sleep(pause_s)
+    return bytes(got)
+
+
+@pytest.mark.parametrize("delay_ms", [0, 5])
+def test_slow_reader_loses_nothing(server, delay_ms):
+    # The client reads slowly: the proxy must stop reading the server's replies (and so, once the
+    # server's buffers fill, the client's upload) without dropping or reordering a byte.
+    data = os.urandom(24 * MiB + 777)
+    with LatencyProxy(*server.server_address, delay_ms=delay_ms) as proxy, _connect(proxy.port) as s:
+        sender = threading.Thread(target=lambda: s.sendall(f"echo {len(data)}\n".encode() + data))
+        sender.start()
+        time.sleep(0.5)  # let every buffer on the way fill up
+        got = _recv_exactly(s, len(data), pause_s=0.002)
+        sender.join()
+    assert got == data
+
+
+def test_many_connections_at_once(server):
+    blobs = [os.urandom(MiB + i) for i in range(24)]
+
+    def one(blob: bytes) -> bytes:
+        with _connect(proxy.port) as s:
+            s.sendall(f"echo {len(blob)}\n".encode() + blob)
+            return _recv_exactly(s, len(blob))
+
+    with LatencyProxy(*server.server_address, delay_ms=5) as proxy:
+        with concurrent.futures.ThreadPoolExecutor(len(blobs)) as pool:
+            assert list(pool.map(one, blobs)) == blobs
+        assert proxy.statistics()["connections"] == len(blobs)
+
+
+@pytest.mark.parametrize("delay_ms", [0, 5])
+def test_server_reset_reaches_the_client_as_a_reset(server, delay_ms):
+    with LatencyProxy(*server.server_address, delay_ms=delay_ms) as proxy, _connect(proxy.port) as s:
+        s.sendall(b"rst 1000\n")
+        assert _recv_exactly(s, 1000) == b"r" * 1000
+        with pytest.raises(ConnectionResetError):
+            while s.recv(MiB):
+                pass
 
 
 def test_unreachable_upstream_resets_client():
