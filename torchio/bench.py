@@ -64,6 +64,23 @@ SETUP_THREADS = 32
 CKPT_TENSORS = 16
 
 
+# Workers by default: one per CPU this process may use (more than that, torch's DataLoader itself
+# warns that it may run slowly or freeze), and no more than this on a big host.
+MAX_BENCH_WORKERS = 8
+
+
+def default_workers() -> int:
+    """torch's suggested maximum of DataLoader workers for this host, capped at MAX_BENCH_WORKERS.
+
+    Both loaders get the same number. On a host with few CPUs, more workers than CPUs would give the
+    plain loader extra requests in flight that a real job on that host would not run with."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(MAX_BENCH_WORKERS, cpus))
+
+
 class BenchError(Exception):
     """Something to tell the user in one line."""
 
@@ -94,7 +111,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     w = p.add_argument_group("workload")
     w.add_argument("--files", type=int, default=2000, help="sample files (default 2000)")
     w.add_argument("--file-size", default="150K", help="size of each sample file (default 150K)")
-    w.add_argument("--workers", type=int, default=4, help="DataLoader workers, both loaders (default 4)")
+    w.add_argument("--workers", type=int, default=default_workers(),
+                   help="DataLoader workers, both loaders (default: the CPUs this process may use, at most "
+                        f"{MAX_BENCH_WORKERS}; here {default_workers()})")
     w.add_argument("--no-direct", action="store_true",
                    help="UCVolumeDataset copies every file through the mount (no direct fills from the store)")
     w.add_argument("--batch-size", type=int, default=32, help="batch size, both loaders (default 32)")
