@@ -438,8 +438,15 @@ def _inherited(proxy: LatencyProxy, hook: str) -> bool:
 # splice(2) moves data socket -> pipe -> socket inside the kernel, with no copy into Python and back.
 _SPLICE = hasattr(os, "splice") and sys.platform.startswith("linux")
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
-# Pipes a delay line may fill before it stops reading from the client: up to 64 MiB in flight per
-# connection (1 GB/s through a 60 ms delay), yet memory stays bounded when the server reads slowly.
+# The splicer's pipes ask for this much room. The kernel counts every pipe's room, used or not,
+# against a per-user limit (/proc/sys/fs/pipe-user-pages-soft, 64 MiB), past which each new pipe
+# gets two pages. With 1 MiB pipes kept open per connection, a few dozen pooled connections would
+# reach that, and every later transfer would crawl through 8 KiB pipes. 256 KiB still moves a
+# 150 KiB response in one splice.
+_PIPE_BYTES = 256 << 10
+# Pipes a delay line may fill before it stops reading from the client: up to 16 MiB in flight per
+# connection (1.6 GB/s through a 10 ms delay), yet memory stays bounded when the server reads
+# slowly. Pipes beyond the first are closed again as soon as the line has emptied them.
 _LINE_PIPES = 64
 _FIONREAD = getattr(termios, "FIONREAD", 0x541B)
 
@@ -676,9 +683,14 @@ class _Splicer:
                 rel.conn.bytes_up += n
             rel.line.popleft()
             pipe.pending -= 1
-            if rel.up_paused and pipe.pending == 0:
-                rel.up_paused = False
-                rel.cur = pipe
+            if pipe.pending == 0:
+                if rel.up_paused:
+                    rel.up_paused = False
+                    rel.cur = pipe
+                elif pipe is not rel.cur and len(rel.pipes) > 1:
+                    rel.pipes.remove(pipe)  # give its room back (see _PIPE_BYTES)
+                    os.close(pipe.r)
+                    os.close(pipe.w)
 
     def _settle(self, rel: _Relayed) -> None:
         """End the connection when both directions have ended, else register what it waits for."""
@@ -739,14 +751,10 @@ _SPLICE_FLAGS = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK if _SPLICE else 0
 
 
 def _grow_pipe(w: int) -> None:
-    """A pipe holds 64 KiB by default: 16 rounds through Python per MiB. Ask for CHUNK_BYTES; a
-    refusal (per-user pipe limits) only costs speed."""
-    for size in (CHUNK_BYTES, 256 << 10):
-        try:
-            fcntl.fcntl(w, _F_SETPIPE_SZ, size)
-            return
-        except OSError:
-            continue
+    """A pipe holds 64 KiB by default: 4 rounds through Python for a 256 KiB chunk. Ask for
+    _PIPE_BYTES; a refusal (per-user pipe limits) only costs speed."""
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(w, _F_SETPIPE_SZ, _PIPE_BYTES)
 
 
 def _pending_bytes(fd: int) -> int:
