@@ -21,6 +21,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from typing import BinaryIO, Iterable, Protocol
+from xml.sax.saxutils import escape as xml_escape
 
 from . import errors, s3http
 
@@ -151,12 +152,17 @@ def _split_etag(value: str | None) -> str:
     return (value or "").strip('"')
 
 
-class S3Store:
-    """S3 (or any S3-compatible server) through boto3.
+def _quoted(etag: str) -> str:
+    return f'"{etag}"'
 
-    One botocore client is shared by all threads (botocore clients are thread-safe); its connection
-    pool is sized to `concurrency` so threads never wait for a socket. botocore retries transient
-    failures of the request itself; a body that breaks off mid-read is retried here.
+
+class S3Store:
+    """S3 (or any S3-compatible server): boto3's configuration and credentials, requests through
+    the lean client (`s3http.LeanClient`), and boto3 itself for rare calls and as the fallback.
+
+    Both are shared by all threads; the lean client's connection pool is sized to `concurrency` so
+    threads never wait for a socket. Transient failures are retried with backoff (here for lean
+    requests, by botocore for its own); a body that breaks off mid-read is retried too.
     """
 
     def __init__(self, *, endpoint_url: str | None = None, region: str | None = None,
@@ -199,8 +205,12 @@ class S3Store:
         self._client_args = (session, endpoint_url, cfg, kwargs)
         self._client_obj = None
         self._client_lock = threading.Lock()
-        # GET and HEAD, the hot path of every read, go through the lean client (see s3http.py);
-        # it shares boto3's credentials, so rotation and instance roles work the same.
+        # Every request of normal operation goes through the lean client (see s3http.py): reads,
+        # listings, uploads, and the deletes, copies and multipart calls of renames and commits.
+        # One pool of `concurrency` sockets then serves them all; with two (botocore's and ours)
+        # the daemon held more connections than it was configured for. botocore keeps the rare
+        # calls (bucket checks, listing unfinished uploads). The lean client shares boto3's
+        # credentials, so rotation and instance roles work the same.
         self._lean = None
         if lean:
             region_name = cfg.region_name
@@ -322,9 +332,12 @@ class S3Store:
 
     def _lean_request(self, op: str, method: str, bucket: str, key: str, headers: dict,
                       into: bytearray | None = None, query: dict | None = None,
-                      body: bytes | bytearray | memoryview | None = None) -> s3http.Response:
+                      body: bytes | bytearray | memoryview | None = None,
+                      error_in_ok: bool = False) -> s3http.Response:
         """One logical request with retries: transient failures (5xx, throttling, broken
-        connections) are retried with jittered exponential backoff, like botocore's standard mode."""
+        connections) are retried with jittered exponential backoff, like botocore's standard mode.
+        `error_in_ok`: a 200 answer may carry an error document (CompleteMultipartUpload,
+        CopyObject), taken as the error it reports."""
         self._counters.add(op)
         delay = 0.1
         for attempt in range(1, self.max_attempts + 1):
@@ -339,7 +352,7 @@ class S3Store:
             except s3http.RETRYABLE as e:
                 err: errors.StoreError = errors.connection_error(f"store request failed: {e}", key=key)
             else:
-                if r.status < 300:
+                if r.status < 300 and not (error_in_ok and s3http.embedded_error(r.body)):
                     return r
                 if r.status in (304, 412):
                     self._counters.add("errors")
@@ -347,8 +360,9 @@ class S3Store:
                 code, msg, rid = s3http.parse_error(r.body)
                 if not code:  # HEAD answers carry no body
                     code = {404: "NoSuchKey", 403: "AccessDenied"}.get(r.status, str(r.status))
-                err = errors.from_s3(code, r.status, msg or code, request_id=rid or r.headers.get(
-                    "x-amz-request-id", ""), key=key)
+                # An error sent after a 200 is the server's failure (InternalError, SlowDown).
+                err = errors.from_s3(code, r.status if r.status >= 300 else 500, msg or code,
+                                     request_id=rid or r.headers.get("x-amz-request-id", ""), key=key)
             # A missing key is an answer, not a failure: count it apart so status shows real errors.
             self._counters.add("not_found" if err.errno == errors.ENOENT else "errors")
             if not err.transient or attempt == self.max_attempts:
@@ -455,6 +469,12 @@ class S3Store:
 
     def create_multipart(self, bucket: str, key: str) -> str:
         _check_key(key)
+        if self._lean is not None:
+            r = self._lean_request("create_multipart", "POST", bucket, key, {}, query={"uploads": ""})
+            upload_id = s3http.xml_text(r.body, "UploadId")
+            if not upload_id:
+                raise errors.StoreError(errors.EIO, "CreateMultipartUpload answered no UploadId", key=key)
+            return upload_id
         resp = self._call("create_multipart", key, self._client.create_multipart_upload,
                           Bucket=bucket, Key=key)
         return resp["UploadId"]
@@ -475,11 +495,19 @@ class S3Store:
 
     def complete_multipart(self, bucket: str, key: str, upload_id: str,
                            parts: list[tuple[int, str]]) -> ObjectInfo:
-        resp = self._call("complete_multipart", key, self._client.complete_multipart_upload,
-                          Bucket=bucket, Key=key, UploadId=upload_id,
-                          MultipartUpload={"Parts": [{"PartNumber": n, "ETag": f'"{e}"'}
-                                                     for n, e in parts]})
-        etag = _split_etag(resp.get("ETag"))
+        if self._lean is not None:
+            doc = "".join(f"<Part><PartNumber>{n}</PartNumber><ETag>{xml_escape(_quoted(e))}</ETag></Part>"
+                          for n, e in parts)
+            r = self._lean_request("complete_multipart", "POST", bucket, key, {},
+                                   query={"uploadId": upload_id}, error_in_ok=True,
+                                   body=f"<CompleteMultipartUpload>{doc}</CompleteMultipartUpload>".encode())
+            etag = _split_etag(s3http.xml_text(r.body, "ETag"))
+        else:
+            resp = self._call("complete_multipart", key, self._client.complete_multipart_upload,
+                              Bucket=bucket, Key=key, UploadId=upload_id,
+                              MultipartUpload={"Parts": [{"PartNumber": n, "ETag": f'"{e}"'}
+                                                         for n, e in parts]})
+            etag = _split_etag(resp.get("ETag"))
         if not etag:
             # Some servers (Ceph RGW 16.2) answer an empty ETag here; the object has a real one,
             # and cache identity needs it.
@@ -488,8 +516,11 @@ class S3Store:
 
     def abort_multipart(self, bucket: str, key: str, upload_id: str) -> None:
         try:
-            self._call("abort_multipart", key, self._client.abort_multipart_upload, Bucket=bucket,
-                       Key=key, UploadId=upload_id)
+            if self._lean is not None:
+                self._lean_request("abort_multipart", "DELETE", bucket, key, {}, query={"uploadId": upload_id})
+            else:
+                self._call("abort_multipart", key, self._client.abort_multipart_upload, Bucket=bucket,
+                           Key=key, UploadId=upload_id)
         except errors.StoreError as e:
             if e.errno != errors.ENOENT:
                 raise
@@ -509,10 +540,15 @@ class S3Store:
         _check_key(dst_key)
         src = self.head(bucket, src_key)
         if src.size <= MAX_SINGLE_COPY_BYTES:
-            resp = self._call("copy", dst_key, self._client.copy_object, Bucket=bucket, Key=dst_key,
-                              CopySource={"Bucket": bucket, "Key": src_key},
-                              CopySourceIfMatch=f'"{src.etag}"')
-            etag = _split_etag(resp.get("CopyObjectResult", {}).get("ETag"))
+            if self._lean is not None:
+                r = self._lean_request("copy", "PUT", bucket, dst_key, self._copy_headers(bucket, src_key, src.etag),
+                                       error_in_ok=True)
+                etag = _split_etag(s3http.xml_text(r.body, "ETag"))
+            else:
+                resp = self._call("copy", dst_key, self._client.copy_object, Bucket=bucket, Key=dst_key,
+                                  CopySource={"Bucket": bucket, "Key": src_key},
+                                  CopySourceIfMatch=f'"{src.etag}"')
+                etag = _split_etag(resp.get("CopyObjectResult", {}).get("ETag"))
             return ObjectInfo(dst_key, src.size, etag, time.time_ns())
         # Larger than one CopyObject may be: copy in parts on the server side.
         part = 1024 ** 3
@@ -521,6 +557,13 @@ class S3Store:
             parts = []
             for n, off in enumerate(range(0, src.size, part), start=1):
                 end = min(off + part, src.size) - 1
+                if self._lean is not None:
+                    hdrs = self._copy_headers(bucket, src_key, src.etag)
+                    hdrs["x-amz-copy-source-range"] = f"bytes={off}-{end}"
+                    r = self._lean_request("upload_part_copy", "PUT", bucket, dst_key, hdrs, error_in_ok=True,
+                                           query={"partNumber": str(n), "uploadId": upload_id})
+                    parts.append((n, _split_etag(s3http.xml_text(r.body, "ETag"))))
+                    continue
                 resp = self._call("upload_part_copy", dst_key, self._client.upload_part_copy,
                                   Bucket=bucket, Key=dst_key, UploadId=upload_id, PartNumber=n,
                                   CopySource={"Bucket": bucket, "Key": src_key},
@@ -533,7 +576,15 @@ class S3Store:
             self.abort_multipart(bucket, dst_key, upload_id)
             raise
 
+    @staticmethod
+    def _copy_headers(bucket: str, src_key: str, etag: str) -> dict[str, str]:
+        return {"x-amz-copy-source": s3http.uri_encode_path(f"/{bucket}/{src_key}"),
+                "x-amz-copy-source-if-match": f'"{etag}"'}
+
     def delete(self, bucket: str, key: str) -> None:
+        if self._lean is not None:
+            self._lean_request("delete", "DELETE", bucket, key, {})
+            return
         self._call("delete", key, self._client.delete_object, Bucket=bucket, Key=key)
 
 

@@ -13,8 +13,10 @@ import botocore.awsrequest
 import botocore.credentials
 import pytest
 
-from ucfs.s3http import (Credentials, FileBody, LeanClient, Signer, SourceShort, canonical_query, parse_error,
-                         parse_list, uri_encode_path)
+from ucfs import errors
+from ucfs.s3http import (Credentials, FileBody, LeanClient, Signer, SourceShort, canonical_query, embedded_error,
+                         parse_error, parse_list, uri_encode_path, xml_text)
+from ucfs.store import S3Store
 
 
 @pytest.mark.parametrize("key", ["plain.bin", "dir/sub dir/naïve+file (1).txt", "a%2Fb~c", "日本/データ"])
@@ -56,6 +58,79 @@ def test_signature_with_query_matches_botocore(monkeypatch):
     monkeypatch.setattr(botocore.auth, "get_current_datetime", lambda *a, **k: now.replace(tzinfo=None))
     signer.add_auth(req)
     assert ours["authorization"] == req.headers["Authorization"]
+
+
+def test_signature_covers_amz_headers_like_botocore(monkeypatch):
+    """CopyObject's x-amz-copy-source headers must be signed: S3 refuses unsigned x-amz-* headers."""
+    now = datetime.datetime(2026, 11, 29, 12, 0, 0, tzinfo=datetime.timezone.utc)
+    creds = Credentials("AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY")
+    amz = {"x-amz-copy-source": uri_encode_path("/bucket/dir/naïve (1).txt"),
+           "x-amz-copy-source-if-match": '"abc"'}
+    host = "127.0.0.1:9000"
+    path = uri_encode_path("/bucket/dst key")
+    ours = Signer("us-east-1").headers("PUT", host, path, "", creds, now=now, amz=amz)  # empty body
+    req = botocore.awsrequest.AWSRequest(method="PUT", url=f"http://{host}{path}", headers=dict(amz))
+    signer = botocore.auth.S3SigV4Auth(botocore.credentials.Credentials(creds.access_key, creds.secret_key),
+                                       "s3", "us-east-1")
+    monkeypatch.setattr(botocore.auth, "get_current_datetime", lambda *a, **k: now.replace(tzinfo=None))
+    signer.add_auth(req)
+    assert "x-amz-copy-source;x-amz-copy-source-if-match" in ours["authorization"]
+    assert ours["authorization"] == req.headers["Authorization"]
+
+
+def test_xml_answers_and_errors_sent_after_a_200():
+    done = (b'<?xml version="1.0" encoding="UTF-8"?>\n<CompleteMultipartUploadResult '
+            b'xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><Key>k</Key><ETag>&quot;e-2&quot;</ETag>'
+            b"</CompleteMultipartUploadResult>")
+    failed = b'<?xml version="1.0" encoding="UTF-8"?>\n\n<Error><Code>InternalError</Code></Error>'
+    assert xml_text(done, "ETag") == '"e-2"' and xml_text(done, "UploadId") is None
+    assert not embedded_error(done) and embedded_error(failed)
+    assert xml_text(b"not xml", "ETag") is None
+
+
+class _CompleteServer(http.server.BaseHTTPRequestHandler):
+    """Answers POSTs (CompleteMultipartUpload) from a script: each entry a 200 with that body."""
+    protocol_version = "HTTP/1.1"
+    script: list[bytes] = []
+    seen: list[bytes] = []
+
+    def do_POST(self):
+        type(self).seen.append(self.rfile.read(int(self.headers["content-length"])))
+        body = type(self).script.pop(0)
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("attempts_failing", [1, 5])
+def test_complete_multipart_error_after_200_is_retried_then_reported(attempts_failing):
+    failed = b"<Error><Code>InternalError</Code><Message>try again</Message></Error>"
+    done = b"<CompleteMultipartUploadResult><ETag>&quot;abc-2&quot;</ETag></CompleteMultipartUploadResult>"
+    _CompleteServer.script = [failed] * attempts_failing + [done]
+    _CompleteServer.seen = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _CompleteServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        store = S3Store(endpoint_url=f"http://127.0.0.1:{server.server_address[1]}", region="us-east-1",
+                        access_key="AK", secret_key="SK", concurrency=2, max_attempts=5)
+        if attempts_failing < 5:
+            info = store.complete_multipart("b", "k", "up1", [(1, "e1"), (2, "e2")])
+            assert info.etag == "abc-2"
+        else:
+            with pytest.raises(errors.StoreError) as e:
+                store.complete_multipart("b", "k", "up1", [(1, "e1"), (2, "e2")])
+            assert e.value.code == "InternalError" and e.value.errno == errors.EIO
+        assert len(_CompleteServer.seen) == min(attempts_failing + 1, 5)
+        assert _CompleteServer.seen[0] == (b"<CompleteMultipartUpload><Part><PartNumber>1</PartNumber>"
+                                           b"<ETag>\"e1\"</ETag></Part><Part><PartNumber>2</PartNumber>"
+                                           b"<ETag>\"e2\"</ETag></Part></CompleteMultipartUpload>")
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_parse_list_page():
