@@ -79,6 +79,31 @@ def test_sequential_read_uses_large_parts_after_a_small_first_request(cfg, cache
     assert len(store.ranges) <= 64 // 8 + 4  # ramp-up costs a few requests, then one per part
 
 
+def test_reads_across_blocks_of_one_get_are_views_not_copies(cfg, cache):
+    # 1 MiB reads half a block off our 1 MiB blocks: each spans two. Inside one GET's buffer the two
+    # lie side by side and the answer is a view of it; only a read across two GETs is joined.
+    store = CountingStore()
+    data = make_object(store, 32 * MiB)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            r = await open_reader(store, cache, cfg, n)
+            out, views = bytearray(), 0
+            for off in range(MiB // 2, len(data), MiB):
+                got = await r.read(off, MiB)
+                views += isinstance(got, memoryview)
+                out += got
+            joins = r.stats["read_joins"]
+            r.close()
+            return bytes(out), views, joins
+
+    out, views, joins = run(main)
+    assert out == data[MiB // 2:]
+    gets = len(store.ranges)
+    assert joins <= gets  # at most one per boundary between two GETs
+    assert views >= 32 - gets - 1
+
+
 def test_small_file_costs_exactly_one_get(cfg, cache):
     store = CountingStore()
     data = make_object(store, 150 * KiB)
