@@ -9,7 +9,6 @@ unmounted (`ucfs unmount`, `fusermount3 -u`) or on SIGINT/SIGTERM; then pending 
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import gc
 import json
@@ -27,6 +26,7 @@ import trio
 
 from . import control, errors, telemetry
 from .aiostore import AsyncStore
+from .allocator import HEAP_AFTER_IDLE_S, Allocator
 from .cache import BlockCache, ensure_private_dir
 from .commit import Committer
 from .catalog import Catalog, StoreSpec
@@ -166,14 +166,6 @@ def tune_fuse_connection(bdi: str) -> None:
         log.debug("cannot tune the FUSE connection (%s); keeping the kernel's limits", e)
 
 
-# Buffers of this size and more are mapped on their own. That includes the data of every FUSE write
-# request (1 MiB and a header), which then costs 256 page faults and an munmap each: about a fifth of
-# the event loop's CPU while writing. Just above 1 MiB they would come from the heap instead, but the
-# heap then kept ~250 MiB resident under the resource test's load (bound: baseline + 128 MiB budget),
-# against ~150 MiB here. Bounded memory wins; the upload parts, which are larger, use the BufferPool.
-MMAP_THRESHOLD_BYTES = 1 << 20
-
-
 # The most open files the daemon asks for (soft limit), when the hard limit allows it.
 OPEN_FILES_WANTED = 1 << 20
 # Below this, say in the log that the limit bounds how many files can be written at once.
@@ -206,32 +198,11 @@ def raise_open_file_limit() -> int:
     return soft
 
 
-def tune_allocator() -> None:
-    """Tune glibc's allocator for a daemon whose memory must stay within one budget.
-
-    Every ranged GET, FUSE write and upload part is a buffer of a MiB or more, allocated in one
-    thread and often freed in another. glibc's defaults let that grow well past the budget: each
-    thread that allocates gets an arena of its own (up to 8 per core), each keeps what is freed in
-    it, and the dynamic mmap threshold soon sends multi-MiB buffers into those arenas where they
-    fragment. Measured with 32 readers and 8 writers under a 128 MiB budget: ~520 MiB resident with
-    the defaults, ~380 MiB with two arenas and a 4 MiB threshold, ~150 MiB with this:
-
-    - one arena, so memory freed by any thread is reused by all;
-    - buffers of 1 MiB and more are mapped on their own and go back to the kernel when freed, so
-      resident memory follows what is live; the BufferPool keeps part buffers (GETs, upload parts)
-      for reuse within the budget, which saves the page faults a fresh mapping costs;
-    - freed memory at the top of the heap is returned beyond 16 MiB.
-
-    Best effort: without glibc nothing happens.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8  # from malloc.h
-    libc.mallopt(m_arena_max, 1)
-    libc.mallopt(m_mmap_threshold, MMAP_THRESHOLD_BYTES)
-    libc.mallopt(m_trim_threshold, 16 << 20)
+async def _follow_readers(allocator: Allocator, budget) -> None:
+    """Let the allocator's mode follow whether files are being read (see ucfs.allocator)."""
+    while True:
+        await trio.sleep(HEAP_AFTER_IDLE_S / 4)
+        allocator.idle(budget.readers)
 
 
 async def _check_volumes(catalog: Catalog, stores: dict[str, AsyncStore]) -> None:
@@ -266,7 +237,7 @@ async def serve(catalog: Catalog, cfg: MountConfig, opts: MountOptions,
                 ready: Callable[[], None] | None = None) -> None:
     """Mount, serve until unmounted or signalled, then shut down in order."""
     mountpoint = check_mountpoint(opts.mountpoint)
-    tune_allocator()
+    allocator = Allocator.tune()
     raise_open_file_limit()
     state = ensure_private_dir(opts.state_dir)
     lock = StateDirLock(state)
@@ -279,6 +250,7 @@ async def serve(catalog: Catalog, cfg: MountConfig, opts: MountOptions,
         cache = BlockCache(state / "cache", size_bytes=cfg.cache_size_bytes,
                            free_floor_bytes=cfg.cache_free_floor_bytes, block_bytes=cfg.block_bytes)
         core = Core(catalog, stores, cache, cfg)
+        core.budget.on_reading = allocator.reading
         committer = Committer(state, core, cfg)
         async with trio.open_nursery() as nursery:
             core.attach(nursery)
@@ -289,11 +261,13 @@ async def serve(catalog: Catalog, cfg: MountConfig, opts: MountOptions,
             rates = telemetry.RateSampler(lambda: _byte_totals(core))
             nursery.start_soon(watchdog.run)
             nursery.start_soon(rates.run)
+            nursery.start_soon(_follow_readers, allocator, core.budget)
 
             def status() -> dict:
                 out = core.statistics()
                 out.update(watchdog.statistics())
                 out["throughput_bytes_per_s"] = rates.rates()
+                out.update(allocator.statistics())
                 out["mountpoint"] = str(mountpoint)
                 return out
 

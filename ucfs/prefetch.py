@@ -31,6 +31,7 @@ import logging
 import mmap
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import trio
 
@@ -68,6 +69,17 @@ class MemoryBudget:
         # Ready blocks nobody has read yet, oldest first: (reader, index) -> time they became idle.
         self._idle: collections.OrderedDict[tuple["ObjectReader", int], float] = collections.OrderedDict()
         self.reclaimed = 0
+        self.readers = 0  # ObjectReaders open: files being read from the store or the disk cache
+        # Called when a reader opens, before it allocates anything (ucfs.allocator.Allocator.reading).
+        self.on_reading: Callable[[], None] | None = None
+
+    def reader_opened(self) -> None:
+        self.readers += 1
+        if self.on_reading is not None:
+            self.on_reading()
+
+    def reader_closed(self) -> None:
+        self.readers -= 1
 
     def try_reserve(self, n: int) -> bool:
         if self.used_bytes + n > self.capacity_bytes:
@@ -232,6 +244,7 @@ class ObjectReader:
         self._closed = False
         self._cancel_scopes: set[trio.CancelScope] = set()
         self.gets = 0  # ranged GETs issued (tests count them)
+        budget.reader_opened()
 
     @property
     def nblocks(self) -> int:
@@ -555,6 +568,8 @@ class ObjectReader:
 
     def close(self) -> None:
         """The handle is released: give back memory now, let in-flight fetches end quietly."""
+        if not self._closed:
+            self.budget.reader_closed()
         self._closed = True
         for idx in list(self.blocks):
             self._drop(idx)

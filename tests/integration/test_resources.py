@@ -106,8 +106,10 @@ class Watcher(threading.Thread):
                 st["cache_used"] = self.mount.status()["cache"]["used_bytes"]
                 last_cache = time.monotonic()
             if st["VmRSS"] > self.max["VmRSS"]:
-                self.at_peak = {"mapped_buffers": mapped_buffers(self.pid),
-                                "budget_used": self.mount.status()["readahead_bytes"]}
+                status = self.mount.status()
+                self.at_peak = {"rss": st["VmRSS"] >> 20, "mapped_buffers": mapped_buffers(self.pid) >> 20,
+                                "budget_used": status["readahead_bytes"] >> 20,
+                                **{k: v >> 20 for k, v in status.items() if k.startswith(("heap", "malloc"))}}
             for k, v in st.items():
                 if k in self.max:
                     self.max[k] = max(self.max[k], v)
@@ -196,7 +198,7 @@ def test_memory_threads_connections_and_cache_stay_bounded(mount_factory, s3_end
                f"{peak['cache_used'] / MiB:.1f} MiB of {cache_limit / MiB:.0f}; "
                f"{readers * read_size / MiB:.0f} MiB read + {writers * write_size / MiB:.0f} MiB written in "
                f"{elapsed:.1f} s; {watcher.samples} samples")
-    print(f"\n[resources] {figures}")
+    print(f"\n[resources] {figures}; at peak sample (MiB): {watcher.at_peak}")
     # Reads someone waits for are never refused (prefetch.py: refusing could deadlock). The kernel's
     # own read-ahead (MountConfig.kernel_readahead_kib) sends that much per file at once, all of it
     # "wanted now" for us: the count may pass the budget by a few MiB per reader.
