@@ -21,8 +21,9 @@ all it spent. So while no file is being read from the store, the threshold sits 
 there. Mixed with reads, whose blocks stay in memory as read-ahead, the freed write buffers became
 holes the heap could not give back: the resource test's daemon then peaked at 250 MiB against a
 bound of 185. So the first reader switches back to mapped mode at once, and what the heap holds
-free is released (malloc_trim), then once more a moment later. Heap mode returns only after a while without readers
-(`HEAP_AFTER_IDLE_S`), so a stream of small reads does not flip the mode for each file.
+free is released (malloc_trim), then once more a moment later. Heap mode returns only after a
+while without readers (`HEAP_AFTER_IDLE_S`), so a stream of small reads does not flip the mode for
+each file.
 
 Best effort: without glibc (or without mallopt) nothing is tuned and the modes do nothing.
 """
@@ -33,9 +34,9 @@ import ctypes
 import logging
 import time
 
-log = logging.getLogger(__name__)
+from .config import KiB, MiB
 
-MiB = 1 << 20
+log = logging.getLogger(__name__)
 
 # mallopt parameters, from malloc.h.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
@@ -43,7 +44,7 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
 # Buffers from this size up are mapped on their own while files are read.
 MAPPED_THRESHOLD_BYTES = 1 * MiB
 # ... and from this size up while none is: a FUSE write request's data (1 MiB + a header) is below.
-HEAP_THRESHOLD_BYTES = MiB + 64 * 1024
+HEAP_THRESHOLD_BYTES = MiB + 64 * KiB
 # Free memory at the top of the heap beyond this goes back to the kernel.
 TRIM_THRESHOLD_BYTES = 16 * MiB
 # Heap mode comes back after this long with no file open for reading from the store.
@@ -55,6 +56,9 @@ class Allocator:
 
     def __init__(self, libc=None):
         self.libc = libc
+        self._mallinfo2 = getattr(libc, "mallinfo2", None)  # glibc 2.33 and later
+        if self._mallinfo2 is not None:
+            self._mallinfo2.restype = _MallInfo2
         self.mode = "untuned"
         self.switches = 0
         self._idle_since: float | None = None
@@ -112,14 +116,9 @@ class Allocator:
 
     def statistics(self) -> dict:
         out = {"allocator_mode": self.mode, "allocator_switches": self.switches}
-        if self.libc is not None:
-            try:
-                f = self.libc.mallinfo2
-                f.restype = _MallInfo2
-                m = f()
-                out.update(heap_bytes=m.arena, heap_in_use_bytes=m.uordblks, malloc_mapped_bytes=m.hblkhd)
-            except AttributeError:
-                pass
+        if self._mallinfo2 is not None:
+            m = self._mallinfo2()
+            out.update(heap_bytes=m.arena, heap_in_use_bytes=m.uordblks, malloc_mapped_bytes=m.hblkhd)
         return out
 
 

@@ -594,8 +594,7 @@ class _Splicer:
 
     # -- one connection ---------------------------------------------------------------------------
     def _start(self, conn: Connection, on_end) -> None:
-        r, w = os.pipe2(os.O_CLOEXEC)
-        _grow_pipe(w)
+        r, w = _new_pipe()
         rel = _Relayed(conn, on_end, conn.client.fileno(), conn.server.fileno(), r, w)
         self._by_conn[conn] = rel
         self._by_fd[rel.cfd] = self._by_fd[rel.sfd] = rel
@@ -650,9 +649,7 @@ class _Splicer:
                 rel.cur = p
                 return True
         if len(rel.pipes) < _LINE_PIPES:
-            r, w = os.pipe2(os.O_CLOEXEC)
-            _grow_pipe(w)
-            rel.cur = _LinePipe(r, w)
+            rel.cur = _LinePipe(*_new_pipe())
             rel.pipes.append(rel.cur)
             return True
         rel.up_paused = True  # resumed when the writer empties a pipe
@@ -750,11 +747,13 @@ class _Splicer:
 _SPLICE_FLAGS = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK if _SPLICE else 0
 
 
-def _grow_pipe(w: int) -> None:
-    """A pipe holds 64 KiB by default: 4 rounds through Python for a 256 KiB chunk. Ask for
-    _PIPE_BYTES; a refusal (per-user pipe limits) only costs speed."""
+def _new_pipe() -> tuple[int, int]:
+    """A pipe (read end, write end) of _PIPE_BYTES. One holds 64 KiB by default: 4 rounds through
+    Python for a 256 KiB chunk. A refusal to grow it (per-user pipe limits) only costs speed."""
+    r, w = os.pipe2(os.O_CLOEXEC)
     with contextlib.suppress(OSError):
         fcntl.fcntl(w, _F_SETPIPE_SZ, _PIPE_BYTES)
+    return r, w
 
 
 def _pending_bytes(fd: int) -> int:
