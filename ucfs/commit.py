@@ -10,6 +10,10 @@ Life of a written file (README "Semantics": Writes, Durability):
    commit completes soon after `close()`.
 3. `close()` (FUSE flush) makes the staging file durable (fdatasync) and writes a journal record, then
    queues the file and returns. From here on a crash loses nothing: the next mount replays the journal.
+   One exception: a stream whose upload is close behind the writer is finished instead
+   (`_close_commits`). Most of the file is in the store already, so completing the upload takes
+   less than writing the whole staging file to the disk, and the data is then durable in the store
+   itself; the staging file is never synced at all, and goes without reaching the disk.
 4. A bounded pool of commit workers uploads queued files oldest first: one PUT for small files, a
    multipart upload with parallel parts for large ones. A reader elsewhere sees the old object or the
    new one, never a mixture: parts are read under the file's lock and the upload is abandoned if the
@@ -19,7 +23,8 @@ Life of a written file (README "Semantics": Writes, Durability):
    permanent ones are kept, logged, shown by `ucfs status` and returned by the next fsync/close.
 
 `fsync(file)` waits until the file's current content is committed; `fsync(dir)` until everything
-pending beneath the directory is.
+pending beneath the directory is. fsync commits in the caller's time, without syncing the staging
+file first; only if that fails does it fall back to a durable close and the retrying workers.
 """
 
 from __future__ import annotations
@@ -60,8 +65,11 @@ SINGLE_PUT_MAX_BYTES = 16 * MiB
 # appends only: smaller files are cheaper to send whole at close.
 STREAM_START_BYTES = 32 * MiB
 # Flush written data to the disk in the background every this many bytes, so the fdatasync at
-# close() has little left to do.
+# close() has little left to do. Not while a stream keeps up with the writer: its close() completes
+# the upload instead of syncing, and the staged bytes need never reach the disk.
 BACKGROUND_SYNC_BYTES = 64 * MiB
+# ... nor while a stream is at most this many windows (parts in flight) behind the writer.
+STREAM_LAG_WINDOWS = 4
 # Retry delays for transient failures: doubling from the first, jittered, capped.
 RETRY_FIRST_S = 0.5
 RETRY_CAP_S = 60.0
@@ -125,6 +133,7 @@ class Stream:
     parts: dict[int, str] = field(default_factory=dict)
     next_off: int = 0  # bytes handed to part uploads so far
     next_part: int = 1
+    done_bytes: int = 0  # bytes of parts uploaded
     inflight: int = 0
     idle: trio.Event = field(default_factory=trio.Event)
     valid: bool = True
@@ -193,6 +202,9 @@ class Committer:
         self._idle_workers = trio.lowlevel.ParkingLot()
         self._nursery: trio.Nursery | None = None
         self._part_slots = trio.CapacityLimiter(max(4, cfg.store_concurrency // 4))
+        # What a stream that keeps up has left to upload: the parts that may be in flight at once,
+        # and the part being written (see `_close_commits`).
+        self._stream_window = (int(self._part_slots.total_tokens) + 1) * cfg.part_bytes
         self._retired: set[str] = set()
         self.stats: collections.Counter[str] = collections.Counter()
         self._shutting_down = False
@@ -392,7 +404,7 @@ class Committer:
                 s.appends_only = False
                 self._invalidate_stream(s, "write inside already written data")
         s.unsynced += n
-        if s.unsynced >= BACKGROUND_SYNC_BYTES:
+        if s.unsynced >= BACKGROUND_SYNC_BYTES and not self._stream_keeps_up(s):
             s.unsynced = 0
             self.pin(s)
             self._nursery.start_soon(self._background_sync, s)
@@ -423,7 +435,12 @@ class Committer:
             shrinks = size < s.size
             s.shrinking += shrinks  # reads running meanwhile must know at once (core.read)
             try:
-                await run_disk(os.ftruncate, s.fd, size)
+                # Not when the size stays: on ext4, truncating a file to 0 (as the O_TRUNC of a new
+                # file does) makes its last close start writeback of everything written meanwhile
+                # (auto_da_alloc), so a committed staging file would still be written to the disk
+                # before it could be removed.
+                if size != s.size:
+                    await run_disk(os.ftruncate, s.fd, size)
             finally:
                 s.shrinking -= shrinks
             if shrinks:
@@ -460,6 +477,10 @@ class Committer:
         async with s.flush_lock:
             if s.generation > s.flushed_generation and s.dirty and not s.dropped:
                 gen = s.generation
+                if self._close_commits(s) and await self._commit_in_place(s):
+                    s.flushed_generation = max(s.flushed_generation, gen)
+                    self.stats["committed_at_close"] += 1
+                    return
                 await run_disk(os.fdatasync, s.fd)
                 s.unsynced = 0
                 path = s.node.rel_path()
@@ -480,6 +501,13 @@ class Committer:
         s.fsync_waiters += 1  # before anything is queued: a stream must not wait for the last close
         self.pin(s)  # fsync of a directory holds no handle of the file
         try:
+            if s.dirty and not s.dropped:
+                # The caller waits for the store anyway: commit now, and skip the local sync and the
+                # journal record, which only matter while the file waits for a worker.
+                if await self._commit_in_place(s):
+                    self.stats["committed_by_fsync"] += 1
+                    if s.error is None:
+                        return
             if s.error is not None:
                 s.error = None  # asked again: try again (the cause may be fixed by now)
                 self._enqueue(s)
@@ -513,6 +541,49 @@ class Committer:
         if s.writers == 0 and s.dirty and s.flushed_generation >= 0:
             self._enqueue(s)  # the last writer is done: commit what close() made durable
         self._maybe_retire(s)
+
+    def _stream_lag(self, s: Staged) -> int | None:
+        """How many bytes of s its stream has still to upload, or None if s does not stream."""
+        st = s.stream
+        if st is None or not st.valid or st.error is not None or st.key != s.node.key:
+            return None
+        return s.size - st.done_bytes
+
+    def _stream_keeps_up(self, s: Staged) -> bool:
+        """Whether s streams with its upload no more than a few windows behind the writer. While
+        it does, background syncs are skipped: close() will likely finish the upload instead, and
+        staged bytes that were never written back need never reach the disk. Once it falls behind,
+        syncing resumes, so that a close() that has to sync finds little left to write."""
+        lag = self._stream_lag(s)
+        return lag is not None and lag <= STREAM_LAG_WINDOWS * self._stream_window
+
+    def _close_commits(self, s: Staged) -> bool:
+        """Whether close() should finish s's stream rather than sync its staging file: when the
+        upload has less left to send than the sync would have to write, or no more than the parts
+        in flight hold. Uploading and writing to the local disk run at similar rates (both GB/s on a
+        training host), so this picks the sooner way to durable data."""
+        lag = self._stream_lag(s)
+        return lag is not None and lag <= max(self._stream_window, s.unsynced)
+
+    async def _commit_in_place(self, s: Staged) -> bool:
+        """Commit s's current content in the caller's time: True once it is in the store. On any
+        failure return False, and leave the file for the durable path (flush, the workers' retries)."""
+        async with s.commit_lock:
+            if s.dropped or s.node.staged is not s:
+                return False
+            if not s.dirty:
+                return True
+            gen = s.generation
+            try:
+                await self._commit(s, in_place=True)
+            except (_Changed, errors.StoreError, OSError) as e:
+                if not isinstance(e, _Changed):
+                    s.attempts += 1
+                log.info("committing %s at once did not work (%s); it is staged and queued instead",
+                         s.node.mount_path(), e)
+                self.stats["in_place_fallbacks"] += 1
+                return False
+        return s.committed_generation >= gen
 
     # -- the queue ------------------------------------------------------------------------------
     def _enqueue(self, s: Staged) -> None:
@@ -579,7 +650,9 @@ class Committer:
         self._enqueue(s)
 
     # -- committing -------------------------------------------------------------------------------
-    async def _commit(self, s: Staged) -> None:
+    async def _commit(self, s: Staged, *, in_place: bool = False) -> None:
+        """Upload s's content (under its commit lock). `in_place`: for a caller waiting on it
+        (`_commit_in_place`), so even a file still open for writing is committed now."""
         vol = s.volume
         store = self.core.store_for(vol)
         key = s.node.key
@@ -587,7 +660,7 @@ class Committer:
         t0 = time.monotonic()
         st = s.stream
         if st is not None and st.valid and st.key == key:
-            if s.writers > 0 and not s.fsync_waiters:
+            if s.writers > 0 and not s.fsync_waiters and not in_place:
                 return  # still being written: its last close queues it again
             info, gen = await self._finish_stream(s, store)
         else:
@@ -638,8 +711,21 @@ class Committer:
             parent.listing.entries[node.name] = Entry(False, node.size, node.etag, node.mtime_ns)
         if (CACHE_AFTER_COMMIT_MIN_BYTES <= s.size <= CACHE_AFTER_COMMIT_MAX_BYTES and self.core.cache is not None
                 and not s.dirty):
-            await self._cache_committed(s, ObjectVersion(store.name, vol.bucket, key, info.etag))
+            version = ObjectVersion(store.name, vol.bucket, key, info.etag)
+            if in_place:  # someone waits for the commit, not for the cache
+                self.pin(s)
+                self._nursery.start_soon(self._cache_committed_later, s, version)
+            else:
+                await self._cache_committed(s, version)
         s.notify()
+
+    async def _cache_committed_later(self, s: Staged, version: ObjectVersion) -> None:
+        try:
+            await self._cache_committed(s, version)
+        except OSError as e:
+            log.debug("could not cache %s after its commit: %s", s.node.mount_path(), e)
+        finally:
+            self.unpin(s)
 
     async def _cache_committed(self, s: Staged, version: ObjectVersion) -> None:
         B = self.cfg.block_bytes
@@ -810,6 +896,7 @@ class Committer:
                         return
                     try:
                         st.parts[n] = await store.upload_part(vol.bucket, st.key, st.upload_id, n, data, length)
+                        st.done_bytes += length
                         self.stats["stream_parts"] += 1
                         return
                     except errors.StoreError as e:

@@ -226,6 +226,11 @@ def test_large_file_is_committed_as_multipart_and_streamed(mount, s3, bucket, pr
     with open(p, "wb") as f:
         for i in range(0, len(data), MiB):
             f.write(data[i:i + MiB])
+    # Its parts went up while it was written, so close() finished the upload rather than syncing
+    # 100 MiB to the staging disk: the object is complete as soon as close() returns.
+    head = s3.head_object(Bucket=bucket, Key=f"{prefix}/vol/big.bin")
+    assert head["ContentLength"] == len(data)
+    assert mount.status()["commits"].get("committed_at_close", 0) == 1
     fsync_path(p)
     head = s3.head_object(Bucket=bucket, Key=f"{prefix}/vol/big.bin")
     assert head["ContentLength"] == len(data)
@@ -301,8 +306,13 @@ def test_sigkill_during_multipart_commit_never_shows_a_partial_object(mount, s3,
             seen.add(None)
 
     with open(p, "wb") as f:
-        f.write(new)
-    # The commit (multipart, some parts possibly already streamed) is under way: kill the daemon.
+        # Not front to back: no part is uploaded while writing, so close() syncs the staging file
+        # and the whole multipart upload runs after it (a stream's close would finish its upload).
+        f.seek(len(new) - MiB)
+        f.write(new[-MiB:])
+        f.seek(0)
+        f.write(new[:-MiB])
+    # The multipart commit is under way: kill the daemon.
     observe()
     mount.kill()
     observe()

@@ -1,0 +1,140 @@
+"""How close() and fsync() make written data durable (commit.py): by finishing the upload when that is
+the sooner way, by syncing the staging file and recording it in the journal otherwise.
+
+Driven through Core and Committer over the in-memory store, without FUSE, so that the store's pace is
+ours to set: the integration tests (tests/integration/test_write.py) show the same through a mount.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import trio
+
+from ucfs import commit as commit_mod
+from ucfs.config import MiB, MountConfig
+from ucfs.store import MemoryStore
+
+from tests.support import open_core
+
+
+class GatedStore:
+    """A MemoryStore whose part uploads wait until `gate` is set (they run in store threads)."""
+
+    def __init__(self):
+        self.inner = MemoryStore()
+        self.inner.buckets["bucket"] = {}
+        self.name = self.inner.name
+        self.gate = threading.Event()
+        self.gate.set()
+        self.parts_waiting = 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def upload_part(self, *args, **kw):
+        if not self.gate.is_set():
+            self.parts_waiting += 1
+            self.gate.wait(30)
+        return self.inner.upload_part(*args, **kw)
+
+
+def _cfg(tmp_path) -> MountConfig:
+    (tmp_path / "state").mkdir(mode=0o700)
+    return MountConfig(cache_dir=tmp_path / "state" / "cache", part_bytes=MiB, store_concurrency=8)
+
+
+async def _write(core, vol, name: str, data: bytes):
+    fh, _ = await core.create(vol, name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    for off in range(0, len(data), MiB):
+        await core.write(fh, off, data[off:off + MiB])
+    return fh
+
+
+def _stored(store: GatedStore, name: str) -> bytes | None:
+    try:
+        return store.inner.get("bucket", f"pfx/{name}")[0]
+    except OSError:
+        return None
+
+
+def test_close_finishes_a_stream_that_keeps_up(tmp_path, monkeypatch):
+    monkeypatch.setattr(commit_mod, "STREAM_START_BYTES", 4 * MiB)
+    store = GatedStore()
+    data = os.urandom(24 * MiB + 123)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, _cfg(tmp_path))
+            fh = await _write(core, vol, "s.bin", data)
+            while committer.statistics().get("stream_parts", 0) < 18:  # the upload keeps up
+                await trio.sleep(0.01)
+            await core.flush(fh)
+            # close() returned: the object is in the store, and was never journaled.
+            assert _stored(store, "s.bin") == data
+            st = committer.statistics()
+            assert st["committed_at_close"] == 1 and st["streamed"] == 1 and st["pending"] == 0
+            assert committer.journal.records() == []
+            await core.release(fh)
+            await committer.shutdown(drain=True)
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_close_of_a_stream_that_lags_syncs_and_journals_instead(tmp_path, monkeypatch):
+    monkeypatch.setattr(commit_mod, "STREAM_START_BYTES", 2 * MiB)
+    monkeypatch.setattr(commit_mod, "BACKGROUND_SYNC_BYTES", 4 * MiB)
+    store = GatedStore()
+    store.gate.clear()  # parts do not get through: the writer runs ahead of its upload
+    data = os.urandom(40 * MiB)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, _cfg(tmp_path))
+            # The window is (4 part slots + 1) x 1 MiB; 4 windows behind, background syncs resume.
+            assert committer._stream_window == 5 * MiB
+            fh = await _write(core, vol, "lag.bin", data)
+            staged = core.file_handle(fh).staged
+            assert committer._stream_lag(staged) == len(data)
+            assert staged.unsynced < 4 * MiB  # synced in the background while it lagged
+            await core.flush(fh)
+            # close() returned before the upload: durable locally, with a journal record.
+            assert _stored(store, "lag.bin") is None
+            assert [r.path for r in committer.journal.records()] == ["lag.bin"]
+            assert committer.statistics().get("committed_at_close", 0) == 0
+            await core.release(fh)
+            store.gate.set()  # the workers commit it from the staging file
+            with trio.fail_after(30):
+                while _stored(store, "lag.bin") != data:
+                    await trio.sleep(0.01)
+                while committer.journal.records():
+                    await trio.sleep(0.01)
+            assert store.parts_waiting > 0
+            await committer.shutdown(drain=True)
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_fsync_commits_at_once_without_a_journal_record(tmp_path):
+    store = GatedStore()
+
+    async def main():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, _cfg(tmp_path))
+            fh = await _write(core, vol, "f.bin", b"fsynced")
+            await core.fsync(fh)
+            assert _stored(store, "f.bin") == b"fsynced"
+            st = committer.statistics()
+            assert st["committed_by_fsync"] == 1 and st["pending"] == 0
+            assert committer.journal.records() == []
+            # close() after that has nothing left to make durable.
+            await core.flush(fh)
+            await core.release(fh)
+            assert committer.journal.records() == []
+            await committer.shutdown(drain=True)
+            n.cancel_scope.cancel()
+
+    trio.run(main)
