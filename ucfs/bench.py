@@ -1125,11 +1125,14 @@ class Bench:
                                      mount=m)
             t_commit = m.wait_committed(c0 + 1, timeout_s=max(300.0, o.size / 5e6)) - t0
             req = _request_delta(r0, m.requests())
+            # close() finishes an upload that kept up with the writer, else syncs the staging file
+            how = ("close() finished the upload" if (m.status().get("commits") or {}).get("committed_at_close")
+                   else "close() synced the staging file")
         key = self.lay.scratch + "written.bin"
         got = int(self.s3.head_object(Bucket=o.bucket, Key=key)["ContentLength"])
         if got != o.size:
             raise BenchError(f"mount.write: the committed object {key} has {got} bytes, expected {o.size}")
-        say(f"mount.write: close after {dt_close:.2f} s, committed after {t_commit:.2f} s "
+        say(f"mount.write: close after {dt_close:.2f} s, committed after {t_commit:.2f} s; {how} "
             f"(requests: {_fmt_requests(req)})")
         local = self.figures.get("ceiling.local_write")
         direct_s = self.details.get("ceiling.put", {}).get("seconds")
