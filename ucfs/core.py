@@ -810,12 +810,29 @@ class Core:
             raise errors.fs_error(errors.EISDIR)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("unlink %s (inode %d, staged %s)", node.mount_path(), node.ino, node.staged is not None)
+        if node.etag and node.opens > 0 and node.staged is None:
+            await self._keep_for_open_handles(node)
         if node.staged is not None:
             await self.committer.drop(node.staged)
         if node.etag:
             await self.store_for(vol).delete(vol.bucket, node.key)
         await self._forget_name(parent, node)
         self.stats["unlinks"] += 1
+
+    async def _keep_for_open_handles(self, node: Inode) -> None:
+        """node's object is about to be deleted while handles still read it. Read-ahead may not
+        have fetched all of it yet, and the store will not serve it again, so copy it into a
+        staging file (as an open for writing would) that those handles read from, that is never
+        committed (unlink drops it), and that goes with their last close."""
+        handles = [h for h in self._handles.values()
+                   if isinstance(h, FileHandle) and h.inode is node and h.staged is None]
+        if not handles:
+            return
+        s = await self.committer.stage(node, truncate=False)
+        for h in handles:
+            h.staged = s
+            s.handles += 1
+        self.stats["unlinked_while_open"] += 1
 
     async def _forget_name(self, parent: Inode, node: Inode) -> None:
         """node is gone from parent: drop it from caches, and keep parent itself alive in the store."""

@@ -95,7 +95,7 @@ def test_mkdir_rmdir_and_enotempty(mount, s3, bucket, prefix):
 
 def test_unlink_removes_the_object_and_open_handles_keep_reading(mount, s3, bucket, prefix):
     key = f"{prefix}/vol/gone.bin"
-    data = os.urandom(2 * MiB)
+    data = os.urandom(20 * MiB)  # more than the first read's read-ahead fetches
     s3.put_object(Bucket=bucket, Key=key, Body=data)
     p = mount.path() / "gone.bin"
     with open(p, "rb") as f:
@@ -104,6 +104,7 @@ def test_unlink_removes_the_object_and_open_handles_keep_reading(mount, s3, buck
         assert not p.exists()
         assert keys(s3, bucket, key) == []
         assert first + f.read() == data
+    assert mount.status()["core"]["unlinked_while_open"] == 1
     # A new file unlinked before its commit never reaches the store.
     q = mount.path() / "tmp.bin"
     with open(q, "wb") as f:
@@ -312,11 +313,19 @@ def test_sigkill_during_multipart_commit_never_shows_a_partial_object(mount, s3,
         f.write(new[-MiB:])
         f.seek(0)
         f.write(new[:-MiB])
-    # The multipart commit is under way: kill the daemon.
-    observe()
+    # Kill the daemon once the multipart commit is under way: its first parts are in the store.
+    def parts_uploaded() -> bool:
+        observe()
+        for u in s3.list_multipart_uploads(Bucket=bucket, Prefix=key).get("Uploads", []):
+            if s3.list_parts(Bucket=bucket, Key=key, UploadId=u["UploadId"]).get("Parts"):
+                return True
+        return False
+
+    assert wait_until(parts_uploaded, 60, interval=0.02)
     mount.kill()
     observe()
     mount.start()
+    assert mount.status()["commits"].get("replayed", 0) == 1  # it was pending when killed
     assert p.read_bytes() == new
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and obj(s3, bucket, key) != new:
