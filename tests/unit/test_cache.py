@@ -79,6 +79,28 @@ def test_partial_last_block_round_trips(tmp_path):
     assert seg_path(c, v(), 9).stat().st_size == HEADER_BYTES + len(data)
 
 
+def test_small_segments_go_through_the_page_cache(tmp_path, monkeypatch):
+    """Whole small objects are written buffered, parts of large ones directly (module doc)."""
+    import ucfs.cache as cache_mod
+
+    flags = []
+    real_open = os.open
+
+    def spy(path, fl, *args):
+        flags.append(fl)
+        return real_open(path, fl, *args)
+
+    monkeypatch.setattr(cache_mod.os, "open", spy)
+    c = make(tmp_path)
+    small, big = os.urandom(150 * 1024), os.urandom(2 * MiB + 5)
+    assert c.put_block(v("small"), 0, small) and c.put_blocks(v("big"), 0, big)
+    assert c.get_block(v("small"), 0) == small and c.get_block(v("big"), 2) == big[2 * MiB:]
+    direct = getattr(os, "O_DIRECT", 0)
+    assert not flags[0] & direct
+    if c._direct:  # the file system takes O_DIRECT (tmpfs does not)
+        assert flags[1] & direct
+
+
 def test_truncated_segment_is_detected(tmp_path):
     c = make(tmp_path)
     c.put_blocks(v(), 0, os.urandom(2 * MiB))
