@@ -719,6 +719,9 @@ class Bench:
             return
         import botocore.exceptions as bex
 
+        # Start clean: what earlier phases left dirty in the page cache (the mount writes small cache
+        # segments and staging files through it) would otherwise be written back during this one.
+        os.sync()
         try:
             fn()
         except (bex.BotoCoreError, bex.ClientError) as e:
