@@ -824,12 +824,14 @@ class Core:
         have fetched all of it yet, and the store will not serve it again, so copy it into a
         staging file (as an open for writing would) that those handles read from, that is never
         committed (unlink drops it), and that goes with their last close."""
-        handles = [h for h in self._handles.values()
-                   if isinstance(h, FileHandle) and h.inode is node and h.staged is None]
-        if not handles:
+        def readers() -> list[FileHandle]:
+            return [h for h in self._handles.values()
+                    if isinstance(h, FileHandle) and h.inode is node and h.staged is None]
+
+        if not readers():
             return
         s = await self.committer.stage(node, truncate=False)
-        for h in handles:
+        for h in readers():  # again: more may have opened during the copy
             h.staged = s
             s.handles += 1
         self.stats["unlinked_while_open"] += 1
