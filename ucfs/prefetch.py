@@ -20,8 +20,10 @@ window and fetches only the blocks it touches.
 
 Memory. All handles share one `MemoryBudget`. Speculative fetches only start when the budget has
 room; a read that needs a block now always proceeds (its size is bounded by the request), so nothing
-deadlocks. Blocks the reader has passed are dropped at once; blocks fetched ahead but left untouched
-for a while can be reclaimed by other handles, since the disk cache still has them.
+deadlocks. Blocks well behind the reader are dropped at once; the last ones it read stay for
+reordered requests, but anyone short of room takes them first. Blocks fetched ahead but left
+untouched for a while can be reclaimed by other handles, since the disk cache still has them; a
+read someone waits for may take any of them at once, the furthest ahead first.
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ class MemoryBudget:
         self._released = trio.Event()
         # Ready blocks nobody has read yet, oldest first: (reader, index) -> time they became idle.
         self._idle: collections.OrderedDict[tuple["ObjectReader", int], float] = collections.OrderedDict()
+        # Blocks a reader has already read past, kept for a reordered request (KEEP_BEHIND_BYTES):
+        # the first to go when someone needs room, at once.
+        self._passed: collections.OrderedDict[tuple["ObjectReader", int], None] = collections.OrderedDict()
         self.reclaimed = 0
         self.readers = 0  # ObjectReaders open: files being read from the store or the disk cache
         # Called when a reader opens, before it allocates anything (ucfs.allocator.Allocator.reading).
@@ -90,9 +95,13 @@ class MemoryBudget:
         return True
 
     def force_reserve(self, n: int) -> None:
-        """Reserve for a read someone is waiting on: never refused (bounded by the request size)."""
+        """Reserve for a read someone is waiting on: never refused (bounded by the request size).
+        Short of room, it takes it from read-ahead nobody has asked for yet, however recent, newest
+        first (the furthest ahead): that is in the disk cache already, and demand comes before
+        speculation."""
         if self.used_bytes + n > self.capacity_bytes:
             self._reclaim(self.used_bytes + n - self.capacity_bytes)
+            self._reclaim_recent(self.used_bytes + n - self.capacity_bytes)
         self._take(n)
 
     async def reserve(self, n: int) -> None:
@@ -139,8 +148,25 @@ class MemoryBudget:
 
     def mark_busy(self, reader: "ObjectReader", index: int) -> None:
         self._idle.pop((reader, index), None)
+        self._passed.pop((reader, index), None)
+
+    def mark_passed(self, reader: "ObjectReader", index: int) -> None:
+        self._idle.pop((reader, index), None)
+        self._passed[(reader, index)] = None
+
+    def _reclaim_recent(self, need: int) -> None:
+        while need > 0 and self._idle:
+            (reader, index), _ = self._idle.popitem(last=True)
+            need -= reader._drop(index)
+            self.reclaimed += 1
 
     def _reclaim(self, need: int) -> None:
+        # Blocks already read past first: 32 readers keeping 2 MiB each behind them were half of
+        # a 64 MiB budget, and reads someone waits for then pushed it far past its capacity.
+        while need > 0 and self._passed:
+            (reader, index), _ = self._passed.popitem(last=False)
+            need -= reader._drop(index)
+            self.reclaimed += 1
         cutoff = time.monotonic() - IDLE_RECLAIM_S
         while need > 0 and self._idle:
             (reader, index), since = next(iter(self._idle.items()))
@@ -283,7 +309,7 @@ class ObjectReader:
             finally:
                 for blk in blocks:
                     self._done_with(blk)
-        self._drop_behind(first)
+        self._drop_behind(first, end)
         return out
 
     def _done_with(self, blk: _Block) -> None:
@@ -535,7 +561,9 @@ class ObjectReader:
             self.budget.mark_idle(self, blk.index)
 
     # -- letting go ---------------------------------------------------------------------------
-    def _drop_behind(self, first: int) -> None:
+    def _drop_behind(self, first: int, end: int) -> None:
+        """After a read of [first block, end): drop blocks well behind it; those it has read to
+        their end stay for reordered requests, but anyone short of memory may take them."""
         keep = KEEP_BEHIND_BYTES // self.B
         if self.budget.used_bytes > self.budget.capacity_bytes:
             keep = 0  # memory is short: what the reader has passed is on disk, let it go now
@@ -544,6 +572,10 @@ class ObjectReader:
             if self._low in self.blocks:
                 self._drop(self._low)
             self._low += 1
+        done = end // self.B if end < self.size else self.nblocks  # blocks read to their end
+        for index in range(max(self._low, limit), done):
+            if index in self.blocks:
+                self.budget.mark_passed(self, index)
 
     def _drop(self, index: int, blk: _Block | None = None) -> int:
         """Forget a block's memory copy; returns the bytes given back to the budget."""

@@ -255,6 +255,14 @@ def test_waits_for_memory_take_back_read_ahead_that_went_idle(monkeypatch):
             budget.release(MiB)
             return MiB
 
+    class IdleReadAheadOf:
+        def __init__(self, b):
+            self.b = b
+
+        def _drop(self, index):
+            self.b.release(MiB)
+            return MiB
+
     reader = IdleReadAhead()
 
     async def main():
@@ -264,10 +272,49 @@ def test_waits_for_memory_take_back_read_ahead_that_went_idle(monkeypatch):
         with trio.fail_after(5):
             await budget.reserve(2 * MiB)  # nobody releases anything meanwhile
         assert budget.used_bytes == 8 * MiB  # two idle blocks went, the upload got their room
-        budget.force_reserve(MiB)  # a read over the budget while a cache write is on its way
-        budget.caching_bytes = MiB
+
+        # Reads over the budget while a cache write is on its way; what they fetched goes idle later.
+        over = MemoryBudget(8 * MiB)
+        for i in range(9):
+            over.force_reserve(MiB)
+        for i in range(9):
+            over.mark_idle(IdleReadAheadOf(over), i)
+        over.caching_bytes = MiB
         with trio.fail_after(5):
-            await budget.wait_for_disk()
-        assert budget.used_bytes <= budget.capacity_bytes
+            await over.wait_for_disk()
+        assert over.used_bytes <= over.capacity_bytes
 
     trio.run(main)
+
+
+def test_a_read_waited_on_takes_room_from_passed_blocks_then_the_furthest_read_ahead():
+    """Over the budget, a read someone waits for first takes blocks readers have already read past
+    (kept only for reordered requests), then the newest read-ahead nobody has asked for, never
+    one that is still being read."""
+    budget = MemoryBudget(6 * MiB)
+    dropped = []
+
+    class Reader:
+        def __init__(self, name, busy=()):
+            self.name, self.busy = name, set(busy)
+
+        def _drop(self, index):
+            if index in self.busy:
+                return 0  # a read still uses it: it goes later
+            dropped.append((self.name, index))
+            budget.release(MiB)
+            return MiB
+
+    a, b = Reader("a", busy={1}), Reader("b")
+    for i in range(6):
+        budget.force_reserve(MiB)
+    budget.mark_passed(a, 0)
+    budget.mark_passed(a, 1)  # still being read
+    budget.mark_idle(b, 4)
+    budget.mark_idle(b, 5)
+    budget.mark_idle(b, 6)
+    budget.mark_busy(b, 6)  # a read wants it: no longer idle
+    budget.force_reserve(2 * MiB)
+    assert dropped == [("a", 0), ("b", 5)]
+    assert budget.used_bytes == budget.capacity_bytes
+
