@@ -50,7 +50,7 @@ from .cache import ObjectVersion, ensure_private_dir
 from .catalog import Volume
 from .config import MiB, MountConfig
 from .inodes import Inode
-from .journal import Journal, Record
+from .journal import INTENT, Journal, Record
 from .s3http import FileBody
 from .store import MAX_OBJECT_BYTES, MAX_PARTS
 
@@ -73,6 +73,11 @@ STREAM_LAG_WINDOWS = 4
 # Retry delays for transient failures: doubling from the first, jittered, capped.
 RETRY_FIRST_S = 0.5
 RETRY_CAP_S = 60.0
+# A multipart upload a killed daemon created but never recorded is looked for among the key's
+# uploads created from this long before its intent record (the store's clock against ours)...
+INTENT_CLOCK_SLACK_S = 120.0
+# ... to this long after it (a create that took its retries, plus the same slack).
+INTENT_CREATE_WINDOW_S = 600.0
 # Parts of one file uploaded at once; parts of all files together are bounded by the store limiter.
 PARTS_IN_FLIGHT_PER_FILE = 8
 # Blocks of a freshly committed file up to this size are put in the block cache straight from the
@@ -222,12 +227,17 @@ class Committer:
 
     async def _replay(self) -> None:
         """Take up what a previous daemon left: every journal row is committed again."""
-        for upload_id, vname, key in self.journal.uploads():
+        intended: dict[tuple[str, str], list[tuple[str, float]]] = {}
+        for upload_id, vname, key, created in self.journal.uploads():
             vol = self._volume(vname)
-            if vol is not None:
-                await self._abort_quietly(vol, key, upload_id)  # also forgets it
-            else:
+            if vol is None:
                 self.journal.remove_upload_nowait(upload_id)
+            elif upload_id.startswith(INTENT):
+                intended.setdefault((vname, key), []).append((upload_id, created))
+            else:
+                await self._abort_quietly(vol, key, upload_id)  # also forgets it
+        for (vname, key), intents in intended.items():
+            await self._abort_intended(self._volume(vname), key, intents)
         records = self.journal.records()
         named = {r.staging for r in records}
         self._collect_orphans(named)
@@ -828,15 +838,51 @@ class Committer:
             raise
 
     async def _start_upload(self, vol: Volume, store: AsyncStore, key: str) -> str:
-        """Create a multipart upload, recorded durably first so a crash cannot leak its parts."""
-        upload_id = await store.create_multipart(vol.bucket, key)
+        """Create a multipart upload, recorded durably first so a crash cannot leak it.
+
+        The record is made before the upload exists (an intent: key and time) and given the upload's
+        id once the store answers. A daemon killed in between leaves an intent, and the next mount
+        looks for the upload it may have created (`_abort_intended`)."""
+        intent = await self.journal.add_upload_intent(vol.full_name, key)
         try:
-            await self.journal.add_upload(upload_id, vol.full_name, key)
+            upload_id = await store.create_multipart(vol.bucket, key)
+        except errors.StoreError as e:
+            if e.status and not e.transient:
+                self.journal.remove_upload_nowait(intent)  # refused: the store created nothing
+            # Otherwise it may have been created with the answer lost: the intent stays for the
+            # next mount to clean up.
+            raise
+        try:
+            await self.journal.resolve_upload(intent, upload_id)
         except BaseException:
             with trio.CancelScope(shield=True):
                 await self._abort_quietly(vol, key, upload_id)
+                self.journal.remove_upload_nowait(intent)
             raise
         return upload_id
+
+    async def _abort_intended(self, vol: Volume, key: str, intents: list[tuple[str, float]]) -> None:
+        """Abort the multipart uploads of `key` a killed daemon may have created after recording
+        `intents` ((id, time) rows) but before recording their ids: those of that key created from a
+        little before the first intent to a while after the last (the store's clock may differ from
+        ours, and a create may take its retries). Another writer's upload of the same key in that
+        window would go too; it fails and is retried by its writer."""
+        store = self.core.store_for(vol)
+        try:
+            uploads = await store.list_multipart(vol.bucket, key)
+        except errors.StoreError as e:
+            log.warning("could not look for multipart uploads left of %r: %s (will look again at the next "
+                        "mount)", key, e)
+            return
+        lo = min(t for _, t in intents) - INTENT_CLOCK_SLACK_S
+        hi = max(t for _, t in intents) + INTENT_CREATE_WINDOW_S
+        for u in uploads:
+            if u.key == key and (u.initiated is None or lo <= u.initiated <= hi):
+                log.info("aborting multipart upload %s of %r, created by a daemon that was stopped before "
+                         "recording it", u.upload_id, key)
+                await self._abort_quietly(vol, key, u.upload_id)
+        for intent, _ in intents:
+            self.journal.remove_upload_nowait(intent)
 
     async def _abort_quietly(self, vol: Volume, key: str, upload_id: str) -> None:
         try:

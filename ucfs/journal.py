@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import sqlite3
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,9 @@ import trio
 from .errors import UcfsError
 
 log = logging.getLogger(__name__)
+
+# upload_id of an `uploads` row written before its upload was created (Journal.add_upload_intent).
+INTENT = "intent:"
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS pending (
@@ -37,7 +41,8 @@ CREATE TABLE IF NOT EXISTS pending (
     updated REAL NOT NULL
 );
 -- Multipart uploads started and not yet completed or aborted: a restarted daemon aborts them, so a
--- crash never leaves parts behind in the store.
+-- crash never leaves parts behind in the store. A row is written before the upload is created, with
+-- an upload_id of 'intent:...' until the store has answered (see Committer._start_upload).
 CREATE TABLE IF NOT EXISTS uploads (
     upload_id TEXT PRIMARY KEY,
     volume TEXT NOT NULL,
@@ -90,9 +95,10 @@ class Journal:
                                 "created, updated FROM pending ORDER BY id").fetchall()
         return [Record(*r) for r in rows]
 
-    def uploads(self) -> list[tuple[str, str, str]]:
-        """(upload_id, volume, key) of multipart uploads a previous daemon left unfinished."""
-        return self._db.execute("SELECT upload_id, volume, key FROM uploads").fetchall()
+    def uploads(self) -> list[tuple[str, str, str, float]]:
+        """(upload_id, volume, key, created) of multipart uploads a previous daemon left unfinished;
+        an upload_id starting with INTENT is one whose creation it did not see answered."""
+        return self._db.execute("SELECT upload_id, volume, key, created FROM uploads").fetchall()
 
     # -- writing --------------------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -163,6 +169,16 @@ class Journal:
     async def add_upload(self, upload_id: str, volume: str, key: str) -> None:
         await self._execute("INSERT OR REPLACE INTO uploads (upload_id, volume, key, created) VALUES (?, ?, ?, ?)",
                             (upload_id, volume, key, time.time()))
+
+    async def add_upload_intent(self, volume: str, key: str) -> str:
+        """Record, durably, that a multipart upload of `key` is about to be created; returns the
+        row's placeholder id, for `resolve_upload` once the store has given the real one."""
+        intent = f"{INTENT}{uuid.uuid4().hex}"
+        await self.add_upload(intent, volume, key)
+        return intent
+
+    async def resolve_upload(self, intent: str, upload_id: str) -> None:
+        await self._execute("UPDATE uploads SET upload_id=? WHERE upload_id=?", (upload_id, intent))
 
     def remove_upload_nowait(self, upload_id: str) -> None:
         self._enqueue("DELETE FROM uploads WHERE upload_id=?", (upload_id,), None)

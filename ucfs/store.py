@@ -55,6 +55,7 @@ class ListPage:
 class Upload:
     key: str
     upload_id: str
+    initiated: float | None = None  # when it was created (epoch seconds), where the store says
 
 
 class Store(Protocol):
@@ -530,7 +531,8 @@ class S3Store:
         kwargs: dict = {"Bucket": bucket, "Prefix": prefix}
         while True:
             resp = self._call("list_multipart", prefix, self._client.list_multipart_uploads, **kwargs)
-            out.extend(Upload(u["Key"], u["UploadId"]) for u in resp.get("Uploads", ()))
+            out.extend(Upload(u["Key"], u["UploadId"], u["Initiated"].timestamp() if u.get("Initiated") else None)
+                       for u in resp.get("Uploads", ()))
             if not resp.get("IsTruncated"):
                 return out
             kwargs["KeyMarker"] = resp.get("NextKeyMarker")
@@ -792,10 +794,11 @@ class LocalStore:
             try:
                 with open(os.path.join(root, upload_id, "key")) as f:
                     key = f.read()
+                    initiated = os.fstat(f.fileno()).st_mtime
             except OSError:
                 continue
             if key.startswith(prefix):
-                out.append(Upload(key, upload_id))
+                out.append(Upload(key, upload_id, initiated))
         return out
 
     def copy(self, bucket: str, src_key: str, dst_key: str) -> ObjectInfo:
@@ -931,7 +934,7 @@ class MemoryStore:
         self._bucket(bucket)
         upload_id = uuid.uuid4().hex
         with self._lock:
-            self._uploads[upload_id] = {"bucket": bucket, "key": key, "parts": {}}
+            self._uploads[upload_id] = {"bucket": bucket, "key": key, "parts": {}, "initiated": time.time()}
         return upload_id
 
     def upload_part(self, bucket: str, key: str, upload_id: str, part_number: int,
@@ -966,7 +969,7 @@ class MemoryStore:
 
     def list_multipart(self, bucket: str, prefix: str) -> list[Upload]:
         with self._lock:
-            return [Upload(u["key"], uid) for uid, u in self._uploads.items()
+            return [Upload(u["key"], uid, u["initiated"]) for uid, u in self._uploads.items()
                     if u["bucket"] == bucket and u["key"].startswith(prefix)]
 
     def copy(self, bucket: str, src_key: str, dst_key: str) -> ObjectInfo:

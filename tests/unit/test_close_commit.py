@@ -138,3 +138,45 @@ def test_fsync_commits_at_once_without_a_journal_record(tmp_path):
             n.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a_multipart_upload_created_but_never_recorded_is_aborted_at_the_next_mount(tmp_path):
+    """A daemon killed after CreateMultipartUpload and before recording the upload's id leaves only
+    its intent record: the next mount aborts that key's uploads of those minutes, and no other."""
+    import time
+
+    from ucfs.journal import Journal
+
+    store = GatedStore()
+    cfg = _cfg(tmp_path)
+    leaked = store.inner.create_multipart("bucket", "pfx/big.bin")  # what the killed daemon created
+    older = store.inner.create_multipart("bucket", "pfx/big.bin")  # someone else's, an hour earlier
+    store.inner._uploads[older]["initiated"] = time.time() - 3600
+    other = store.inner.create_multipart("bucket", "pfx/other.bin")  # another key: not ours to touch
+
+    async def record_intent():
+        journal = Journal(tmp_path / "state" / "journal.sqlite3")
+        async with trio.open_nursery() as n:
+            await n.start(journal.run)
+            await journal.add_upload_intent("a.b.c", "pfx/big.bin")
+            await journal.close()
+        journal.close_db()
+
+    async def mount_again():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, cfg)
+            left = sorted(u.upload_id for u in store.inner.list_multipart("bucket", "pfx/"))
+            assert left == sorted([older, other]) and leaked not in left
+            # A multipart commit through this daemon leaves no record behind either.
+            fh = await _write(core, vol, "m.bin", os.urandom(20 * MiB))
+            await core.fsync(fh)
+            await core.release(fh)
+            assert _stored(store, "m.bin") is not None
+            await committer.shutdown(drain=True)
+            while committer.journal.uploads():  # removals are written in the background
+                await trio.sleep(0.01)
+            n.cancel_scope.cancel()
+
+    trio.run(record_intent)
+    trio.run(mount_again)
+    assert sorted(u.upload_id for u in store.inner.list_multipart("bucket", "pfx/")) == sorted([older, other])
