@@ -3,7 +3,7 @@
 Life of a written file (README "Semantics": Writes, Durability):
 
 1. Opening for writing gives the inode a `Staged` file in the staging directory (empty for a new or
-   truncated file, otherwise a copy of the object). Every handle, readers included, now reads it:
+   truncated file, otherwise a copy of the object; empty ones are made a few ahead of time). Every handle, readers included, now reads it:
    read-your-writes.
 2. `write()` goes to the staging file. A large file written front to back starts a multipart upload
    while it is being written (`Stream`): each full part is uploaded as soon as it is written, so the
@@ -78,6 +78,12 @@ RETRY_CAP_S = 60.0
 INTENT_CLOCK_SLACK_S = 120.0
 # ... to this long after it (a create that took its retries, plus the same slack).
 INTENT_CREATE_WINDOW_S = 600.0
+# Empty staging files made ahead of time. The kernel holds a directory's lock while we handle a
+# create in it, so a 64-way copy into one directory creates one file at a time; a create that had
+# to wait for a disk thread (busy with fsyncs and cache writes) to make its staging file held up all
+# the others. A spare is taken without leaving the event loop.
+SPARE_STAGING_FILES = 8
+SPARE_PREFIX = "spare-"
 # Parts of one file uploaded at once; parts of all files together are bounded by the store limiter.
 PARTS_IN_FLIGHT_PER_FILE = 8
 # Blocks of a freshly committed file up to this size are put in the block cache straight from the
@@ -213,6 +219,8 @@ class Committer:
         self._retired: set[str] = set()
         self.stats: collections.Counter[str] = collections.Counter()
         self._shutting_down = False
+        self._spares: list[tuple[Path, int]] = []  # (path, fd) of empty staging files made ahead
+        self._refilling = False
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -222,6 +230,7 @@ class Committer:
             await self._replay()
             for i in range(self.workers):
                 n.start_soon(self._worker, name=f"commit-worker-{i}")
+            self._refill_spares()
             task_status.started()
             await trio.sleep_forever()
 
@@ -281,6 +290,9 @@ class Committer:
         for p in self.staging_dir.iterdir():
             if p.name in named:
                 continue
+            if p.name.startswith(SPARE_PREFIX) and p.stat().st_size == 0:
+                p.unlink()  # made ahead, never written: nothing to keep
+                continue
             self.orphans_dir.mkdir(mode=0o700, exist_ok=True)
             dest = self.orphans_dir / p.name
             shutil.move(str(p), dest)
@@ -308,18 +320,55 @@ class Committer:
                 os.close(s.fd)
             except OSError:
                 pass
+        spares, self._spares = self._spares, []
+        for path, fd in spares:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
     def _volume(self, full_name: str) -> Volume | None:
         parts = tuple(full_name.split("."))
         return self.core.catalog.volumes.get(parts) if len(parts) == 3 else None
 
     # -- opening --------------------------------------------------------------------------------
-    def _new_staging(self) -> tuple[Path, int]:
+    def _new_staging(self, prefix: str = "") -> tuple[Path, int]:
         """Make room if needed and create a staging file (blocking: one trip to a disk thread)."""
         self._check_space()
-        path = self.staging_dir / f"{uuid.uuid4().hex}.data"
+        path = self.staging_dir / f"{prefix}{uuid.uuid4().hex}.data"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         return path, fd
+
+    async def _staging_file(self) -> tuple[Path, int]:
+        """An empty staging file: a spare when there is one and the disk has room (a statfs, no
+        thread), else one made now."""
+        got = None
+        if self._spares:
+            st = os.statvfs(self.staging_dir)
+            if st.f_bavail * st.f_frsize >= self.cfg.cache_free_floor_bytes // 4:
+                got = self._spares.pop()
+        if got is None:
+            got = await run_disk(self._new_staging)  # makes room, or refuses with ENOSPC
+        self._refill_spares()
+        return got
+
+    def _refill_spares(self) -> None:
+        if not self._refilling and self._nursery is not None and not self._shutting_down:
+            self._refilling = True
+            self._nursery.start_soon(self._refill)
+
+    async def _refill(self) -> None:
+        try:
+            while len(self._spares) < SPARE_STAGING_FILES and not self._shutting_down:
+                path, fd = await run_disk(self._new_staging, SPARE_PREFIX)
+                if self._shutting_down:
+                    os.close(fd)
+                    os.unlink(path)
+                    return
+                self._spares.append((path, fd))
+        except OSError as e:
+            log.debug("no spare staging files made: %s", e)  # a create makes its own, or says why not
+        finally:
+            self._refilling = False
 
     def _check_space(self) -> None:
         """New data needs room on the staging disk; make it by evicting cache, or refuse (ENOSPC)."""
@@ -346,9 +395,7 @@ class Committer:
                 finally:
                     s.handles -= 1
             return s
-        # Space check and create in one trip to a thread (making room may delete cache segments): a
-        # 64-way copy of small files creates hundreds of staging files a second, ~0.1 ms per trip.
-        path, fd = await run_disk(self._new_staging)
+        path, fd = await self._staging_file()
         s = Staged(node, node.volume, path, fd, 0, time.time_ns())
         try:
             if not truncate and node.etag and node.size:

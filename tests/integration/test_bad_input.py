@@ -235,7 +235,11 @@ def test_a_damaged_journal_is_a_clear_message_and_staged_data_is_kept(fault_prox
             f.write(os.urandom(200))  # the header and the start of the first page
         else:
             f.truncate(size // 2 + 100)  # cut in the middle of a page
-    staged_before = {p.name: p.read_bytes() for p in staging.iterdir()}
+    def staged_data():  # empty staging files the daemon made ahead of time hold nothing
+        return {p.name: p.read_bytes() for p in staging.iterdir()
+                if not (p.name.startswith("spare-") and p.stat().st_size == 0)}
+
+    staged_before = staged_data()
     assert sorted(staged_before.values()) == sorted(files.values())
 
     with pytest.raises(RuntimeError) as e:
@@ -246,7 +250,7 @@ def test_a_damaged_journal_is_a_clear_message_and_staged_data_is_kept(fault_prox
     assert m.proc is not None and m.proc.returncode == 1
     assert "Traceback" not in m.log_path.read_text()
     # Nothing was deleted or moved.
-    assert {p.name: p.read_bytes() for p in staging.iterdir()} == staged_before
+    assert staged_data() == staged_before
     m.proc = None
 
     # Doing what the message says recovers everything by hand: the files wait in orphans/.

@@ -180,3 +180,41 @@ def test_a_multipart_upload_created_but_never_recorded_is_aborted_at_the_next_mo
     trio.run(record_intent)
     trio.run(mount_again)
     assert sorted(u.upload_id for u in store.inner.list_multipart("bucket", "pfx/")) == sorted([older, other])
+
+
+def test_creates_take_staging_files_made_ahead_and_none_is_left_behind(tmp_path):
+    """A create takes an empty staging file made ahead (no trip to a disk thread while the kernel
+    holds the directory's lock). Spares never written are removed at shutdown, and at the next
+    start if a daemon died holding them; one that was written is kept as an orphan, as before."""
+    store = GatedStore()
+    cfg = _cfg(tmp_path)
+    staging = tmp_path / "state" / "staging"
+    staging.mkdir(mode=0o700)
+    (staging / f"{commit_mod.SPARE_PREFIX}dead.data").write_bytes(b"")  # a killed daemon's spare
+    (staging / f"{commit_mod.SPARE_PREFIX}used.data").write_bytes(b"half-written")  # one in use
+
+    async def main():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, cfg)
+            assert not (staging / f"{commit_mod.SPARE_PREFIX}dead.data").exists()
+            assert not (tmp_path / "state" / "orphans" / f"{commit_mod.SPARE_PREFIX}dead.data").exists()
+            assert (tmp_path / "state" / "orphans" / f"{commit_mod.SPARE_PREFIX}used.data").read_bytes() == \
+                b"half-written"
+            with trio.fail_after(10):
+                while len(committer._spares) < commit_mod.SPARE_STAGING_FILES:
+                    await trio.sleep(0.01)
+            spare_paths = {p for p, _ in committer._spares}
+            fh = await _write(core, vol, "small.bin", b"x" * 1000)
+            used = core.file_handle(fh).staged.path
+            assert used in spare_paths
+            await core.fsync(fh)
+            await core.release(fh)
+            assert _stored(store, "small.bin") == b"x" * 1000
+            with trio.fail_after(10):
+                while used.exists():  # committed and closed: removed in the background
+                    await trio.sleep(0.01)
+            await committer.shutdown(drain=True)
+            n.cancel_scope.cancel()
+        assert not [p.name for p in staging.iterdir() if p.name.startswith(commit_mod.SPARE_PREFIX)]
+
+    trio.run(main)

@@ -1,6 +1,6 @@
 """Races between a file being created and a listing refresh, on the core with the in-memory store.
 
-A create makes the inode first and its staging file after (in a disk thread). A listing refresh that
+A create makes the inode first and its staging file after (in a disk thread, when it has no spare). A listing refresh that
 lands in between (opendir and revalidating lookups reach the daemon without the directory lock the
 kernel holds for the create) found a file that is neither in the store nor staged yet, and dropped
 its name: the file, created, written and closed, then answered ENOENT until its commit. The soak
@@ -14,6 +14,7 @@ import threading
 
 import trio
 
+from ucfs import commit as commit_mod
 from ucfs.config import MountConfig
 from ucfs.store import MemoryStore
 
@@ -21,6 +22,8 @@ from tests.support import open_core
 
 
 def test_a_file_being_created_keeps_its_name_through_a_listing_refresh(tmp_path, monkeypatch):
+    # No staging files made ahead: this create makes its own, in a disk thread, and waits there.
+    monkeypatch.setattr(commit_mod, "SPARE_STAGING_FILES", 0)
     inner = MemoryStore()
     inner.buckets["bucket"] = {}
     (tmp_path / "state").mkdir(mode=0o700)
