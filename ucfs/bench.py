@@ -77,6 +77,29 @@ def say(msg: str) -> None:
     print(f"bench: {msg}", file=sys.stderr, flush=True)
 
 
+_CPU_KINDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def _cpu_ticks() -> list[int] | None:
+    """The whole machine's CPU time so far by kind (the first line of /proc/stat), or None."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:1 + len(_CPU_KINDS)]]
+    except (OSError, ValueError):
+        return None
+
+
+def _cpu_shares(before: list[int] | None, after: list[int] | None) -> dict[str, float] | None:
+    """Percent of all CPUs' time between two `_cpu_ticks` readings, by kind."""
+    if not before or not after:
+        return None
+    delta = [b - a for a, b in zip(before, after)]
+    total = sum(delta)
+    if total <= 0:
+        return None
+    return {k: round(100 * d / total, 1) for k, d in zip(_CPU_KINDS, delta)}
+
+
 # --------------------------------------------------------------------------------------------------
 # command line
 
@@ -649,6 +672,7 @@ class Bench:
         self.lay = Layout(opts.prefix, opts.size, opts.small_files, opts.small_size, opts.listing_entries)
         self.figures: dict[str, Figure] = {}
         self.details: dict[str, dict] = {}
+        self.phase_cpu: dict[str, dict[str, float]] = {}  # per phase: % of all CPUs by kind (/proc/stat)
         self.stack = contextlib.ExitStack()
         self.leftovers = Leftovers()
         self.loadavg_start = os.getloadavg()
@@ -722,10 +746,25 @@ class Bench:
         # Start clean: what earlier phases left dirty in the page cache (the mount writes small cache
         # segments and staging files through it) would otherwise be written back during this one.
         os.sync()
+        cpu0 = _cpu_ticks()
         try:
             fn()
         except (bex.BotoCoreError, bex.ClientError) as e:
             raise _store_error(e, self.measured or self.direct, name) from None
+        if name != "mount.read":  # that one notes its cold and warm reads apart
+            self._note_cpu(name, cpu0)
+
+    def _note_cpu(self, name: str, since: list[int] | None) -> None:
+        """Say what the whole machine's CPUs did since `since` (a `_cpu_ticks` reading), so that a
+        figure measured while the host was busy elsewhere, or lost time to the hypervisor (steal),
+        can be read for what it is."""
+        shares = _cpu_shares(since, _cpu_ticks())
+        if shares is None:
+            return
+        self.phase_cpu[name] = shares
+        busy = shares["user"] + shares["nice"] + shares["system"] + shares["irq"] + shares["softirq"]
+        say(f"{name}: CPUs {busy:.0f}% busy, {shares['iowait']:.0f}% waiting for the disk, "
+            f"{shares['steal']:.0f}% stolen by the hypervisor, {shares['idle']:.0f}% idle")
 
     def _prepare(self) -> None:
         o = self.o
@@ -1010,7 +1049,9 @@ class Bench:
             path = self._vol(m, "data") / self.lay.large
             dd = ["dd", f"if={path}", "of=/dev/null", "bs=1M"]
             r0 = m.requests()
+            cpu0 = _cpu_ticks()
             dt, _ = _run_timed(dd, "mount.cold_read", mount=m)
+            self._note_cpu("mount.cold_read", cpu0)
             r1 = m.requests()
             cold = o.size / dt / 1e6
             if self.o.wants("mount.cold_read"):
@@ -1021,7 +1062,9 @@ class Bench:
                 self._figure(_ratio_figure("mount.cold_read", cold, "MB/s", ceiling and ceiling.value,
                                            at_least=0.8), seconds=dt, requests=req)
             if self.o.wants("mount.warm_read"):
+                cpu0 = _cpu_ticks()
                 dt2, _ = _run_timed(dd, "mount.warm_read", mount=m)
+                self._note_cpu("mount.warm_read", cpu0)
                 req = _request_delta(r1, m.requests())
                 warm = o.size / dt2 / 1e6
                 say(f"mount.warm_read: {dt2:.2f} s = {warm:.0f} MB/s (requests: {_fmt_requests(req)})")
@@ -1217,7 +1260,8 @@ class Bench:
                                 "concurrency": o.concurrency, "part_bytes": PART_BYTES,
                                 "small_parallel": SMALL_PARALLEL},
                    "figures": {f.name: asdict(f) for f in figures},
-                   "details": self.details}
+                   "details": self.details,
+                   "phase_cpu_percent": self.phase_cpu}
             o.json_path.write_text(json.dumps(doc, indent=2) + "\n")
             say(f"figures written to {o.json_path}")
 

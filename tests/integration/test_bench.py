@@ -1,0 +1,44 @@
+"""`ucfs bench` end to end, made small: every phase runs against the test server, prints its figures
+and ratios, writes them as JSON, and says what the machine's CPUs did during each phase."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from ucfs.bench import _cpu_shares
+
+from tests.support import REPO
+
+
+def test_cpu_shares_are_percent_of_all_cpu_time_by_kind():
+    before = [100, 0, 50, 1000, 10, 0, 5, 0]
+    after = [160, 0, 80, 1080, 20, 0, 10, 50]  # 60 user, 30 system, 80 idle, 10 iowait, 5 softirq, 50 steal
+    shares = _cpu_shares(before, after)
+    assert shares == {"user": 25.5, "nice": 0.0, "system": 12.8, "idle": 34.0, "iowait": 4.3, "irq": 0.0,
+                      "softirq": 2.1, "steal": 21.3}
+    assert _cpu_shares(None, after) is None and _cpu_shares(before, before) is None
+
+
+def test_a_small_bench_runs_every_phase_and_reports_ratios(s3_endpoint, bucket, prefix, tmp_path):
+    out = tmp_path / "bench.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "ucfs", "bench", "--endpoint", s3_endpoint.url,
+         "--access-key", s3_endpoint.access_key, "--secret-key", s3_endpoint.secret_key,
+         "--region", s3_endpoint.region, "--bucket", bucket, "--prefix", f"{prefix}/bench/",
+         "--size", "24M", "--small-files", "40", "--small-size", "20K", "--listing-entries", "60",
+         "--work-dir", str(tmp_path / "work"), "--json", str(out)],
+        capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    figures = doc["figures"]
+    for name in ("mount.cold_read", "mount.warm_read", "mount.small_parallel", "mount.write.commit",
+                 "mount.small_write.committed"):
+        assert figures[name]["value"] > 0 and figures[name]["ratio"] is not None, figures[name]
+    assert figures["mount.ls_cold"]["value"] > 0
+    # Each phase's CPU line, in the log and in the JSON.
+    assert "mount.cold_read: CPUs" in r.stderr and "stolen by the hypervisor" in r.stderr
+    cpu = doc["phase_cpu_percent"]["mount.cold_read"]
+    assert 99 <= sum(cpu.values()) <= 101
+    assert "targets met" in r.stdout
