@@ -3,8 +3,8 @@
 Life of a written file (README "Semantics": Writes, Durability):
 
 1. Opening for writing gives the inode a `Staged` file in the staging directory (empty for a new or
-   truncated file, otherwise a copy of the object; empty ones are made a few ahead of time). Every handle, readers included, now reads it:
-   read-your-writes.
+   truncated file, otherwise a copy of the object; empty ones are made a few ahead of time). Every
+   handle, readers included, now reads it: read-your-writes.
 2. `write()` goes to the staging file. A large file written front to back starts a multipart upload
    while it is being written (`Stream`): each full part is uploaded as soon as it is written, so the
    commit completes soon after `close()`.

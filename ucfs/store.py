@@ -531,8 +531,9 @@ class S3Store:
         kwargs: dict = {"Bucket": bucket, "Prefix": prefix}
         while True:
             resp = self._call("list_multipart", prefix, self._client.list_multipart_uploads, **kwargs)
-            out.extend(Upload(u["Key"], u["UploadId"], u["Initiated"].timestamp() if u.get("Initiated") else None)
-                       for u in resp.get("Uploads", ()))
+            for u in resp.get("Uploads", ()):
+                initiated = u.get("Initiated")
+                out.append(Upload(u["Key"], u["UploadId"], initiated.timestamp() if initiated else None))
             if not resp.get("IsTruncated"):
                 return out
             kwargs["KeyMarker"] = resp.get("NextKeyMarker")

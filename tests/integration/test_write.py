@@ -375,3 +375,28 @@ def test_shutil_copytree_and_rmtree(mount, tmp_path):
     assert sorted(os.listdir(mount.path() / "ct" / "p" / "q")) == sorted(f"{i}.txt" for i in range(10))
     shutil.rmtree(mount.path() / "ct")
     assert not (mount.path() / "ct").exists()
+
+
+def test_a_multipart_upload_created_just_before_a_kill_is_aborted_at_the_next_mount(mount, s3, bucket, prefix):
+    """The daemon records each multipart upload before creating it. Killed after the create and
+    before recording the upload's id, it leaves an intent (key, time): the next mount finds that
+    key's upload in the store and aborts it, and leaves another key's upload alone."""
+    import sqlite3
+
+    key, other = f"{prefix}/vol/intended.bin", f"{prefix}/vol/someone-else.bin"
+    mount.stop()
+    leaked = s3.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]  # as the killed daemon did
+    kept = s3.create_multipart_upload(Bucket=bucket, Key=other)["UploadId"]
+    db = sqlite3.connect(mount.state_dir / "journal.sqlite3")
+    with db:
+        db.execute("INSERT INTO uploads (upload_id, volume, key, created) VALUES (?, ?, ?, ?)",
+                   ("intent:0123", "test.s.vol", key, time.time()))
+    db.close()
+    mount.start()
+    uploads = s3.list_multipart_uploads(Bucket=bucket, Prefix=f"{prefix}/vol/").get("Uploads", [])
+    left = {u["UploadId"] for u in uploads}
+    assert leaked not in left and kept in left
+    s3.abort_multipart_upload(Bucket=bucket, Key=other, UploadId=kept)
+    db = sqlite3.connect(mount.state_dir / "journal.sqlite3")
+    assert wait_until(lambda: not db.execute("SELECT * FROM uploads").fetchall(), 10)
+    db.close()
