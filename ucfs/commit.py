@@ -341,11 +341,7 @@ class Committer:
     async def _staging_file(self) -> tuple[Path, int]:
         """An empty staging file: a spare when there is one and the disk has room (a statfs, no
         thread), else one made now."""
-        got = None
-        if self._spares:
-            st = os.statvfs(self.staging_dir)
-            if st.f_bavail * st.f_frsize >= self.cfg.cache_free_floor_bytes // 4:
-                got = self._spares.pop()
+        got = self._spares.pop() if self._spares and self._has_room() else None
         if got is None:
             got = await run_disk(self._new_staging)  # makes room, or refuses with ENOSPC
         self._refill_spares()
@@ -370,16 +366,21 @@ class Committer:
         finally:
             self._refilling = False
 
+    def _staging_shortfall(self) -> int:
+        """Bytes the staging disk is short of its free-space floor (0 when it has room; a statfs)."""
+        st = os.statvfs(self.staging_dir)
+        return max(0, self.cfg.cache_free_floor_bytes // 4 - st.f_bavail * st.f_frsize)
+
+    def _has_room(self) -> bool:
+        return self._staging_shortfall() == 0
+
     def _check_space(self) -> None:
         """New data needs room on the staging disk; make it by evicting cache, or refuse (ENOSPC)."""
-        st = os.statvfs(self.staging_dir)
-        free = st.f_bavail * st.f_frsize
-        floor = self.cfg.cache_free_floor_bytes // 4
-        if free < floor and self.core.cache is not None:
-            self.core.cache.shrink_for(floor - free)
-            st = os.statvfs(self.staging_dir)
-            free = st.f_bavail * st.f_frsize
-        if free < floor:
+        short = self._staging_shortfall()
+        if short and self.core.cache is not None:
+            self.core.cache.shrink_for(short)
+            short = self._staging_shortfall()
+        if short:
             raise errors.fs_error(errors.ENOSPC, "no space left for staging writes")
 
     async def stage(self, node: Inode, *, truncate: bool) -> Staged:

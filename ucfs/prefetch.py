@@ -100,8 +100,7 @@ class MemoryBudget:
         first (the furthest ahead): that is in the disk cache already, and demand comes before
         speculation."""
         if self.used_bytes + n > self.capacity_bytes:
-            self._reclaim(self.used_bytes + n - self.capacity_bytes)
-            self._reclaim_recent(self.used_bytes + n - self.capacity_bytes)
+            self._reclaim(self.used_bytes + n - self.capacity_bytes, for_demand=True)
         self._take(n)
 
     async def reserve(self, n: int) -> None:
@@ -154,27 +153,27 @@ class MemoryBudget:
         self._idle.pop((reader, index), None)
         self._passed[(reader, index)] = None
 
-    def _reclaim_recent(self, need: int) -> None:
-        while need > 0 and self._idle:
-            (reader, index), _ = self._idle.popitem(last=True)
-            need -= reader._drop(index)
-            self.reclaimed += 1
-
-    def _reclaim(self, need: int) -> None:
-        # Blocks already read past first: 32 readers keeping 2 MiB each behind them were half of
-        # a 64 MiB budget, and reads someone waits for then pushed it far past its capacity.
+    def _reclaim(self, need: int, *, for_demand: bool = False) -> None:
+        """Take back up to `need` bytes: blocks readers have read past first (32 readers keeping
+        2 MiB each behind them were half of a 64 MiB budget), then read-ahead idle for
+        IDLE_RECLAIM_S, oldest first; for a read someone waits on (`for_demand`), then any idle
+        read-ahead, newest (the furthest ahead) first."""
         while need > 0 and self._passed:
-            (reader, index), _ = self._passed.popitem(last=False)
-            need -= reader._drop(index)
-            self.reclaimed += 1
+            need -= self._take_back(self._passed.popitem(last=False)[0])
         cutoff = time.monotonic() - IDLE_RECLAIM_S
         while need > 0 and self._idle:
-            (reader, index), since = next(iter(self._idle.items()))
+            key, since = next(iter(self._idle.items()))
             if since > cutoff:
-                return
+                break
             self._idle.popitem(last=False)
-            need -= reader._drop(index)
-            self.reclaimed += 1
+            need -= self._take_back(key)
+        while for_demand and need > 0 and self._idle:
+            need -= self._take_back(self._idle.popitem(last=True)[0])
+
+    def _take_back(self, key: tuple["ObjectReader", int]) -> int:
+        reader, index = key
+        self.reclaimed += 1
+        return reader._drop(index)
 
 
 class BufferPool:
