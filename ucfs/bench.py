@@ -19,6 +19,16 @@ threads for the GIL. `--latency-ms 0` measures the proxy itself.
 
 The ceilings use boto3 directly (not `ucfs.store`): they are the reference the store layer is judged
 against. boto3 is imported lazily, because the CLI imports this module to build its parser.
+
+Two more direct measurements carry no target. They bound what any implementation can reach on this
+machine, given what the mount must do besides what the ceilings do, and the report ends with what
+they imply:
+
+- `ceiling.read_keep`: the ranged GETs of `ceiling.read`, each part also written to local disk
+  (O_DIRECT, beside the mount's cache) - a cold read must keep every block it reads.
+- `ceiling.write_pair`: the local dd of `ceiling.local_write` and the upload of `ceiling.put` at the
+  same time - the least a write-behind close() (local data durable) with its commit running
+  meanwhile can cost.
 """
 
 from __future__ import annotations
@@ -29,12 +39,14 @@ import contextlib
 import json
 import logging
 import math
+import mmap
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.parse
 import uuid
@@ -49,12 +61,13 @@ from .errors import UcfsError
 log = logging.getLogger(__name__)
 
 # Phases in the order they run. Each one is a name `--skip` accepts; `--skip ceiling` skips every
-# `ceiling.*`, `--skip mount` every `mount.*`, `--skip write` the five write phases.
-PHASES = ("setup", "ceiling.read", "ceiling.small_get", "mount.cold_read", "mount.warm_read",
-          "mount.ls_cold", "mount.small_serial", "mount.small_parallel", "ceiling.put",
-          "ceiling.local_write", "mount.write", "ceiling.small_put", "mount.small_write")
-WRITE_PHASES = ("ceiling.put", "ceiling.local_write", "mount.write", "ceiling.small_put",
-                "mount.small_write")
+# `ceiling.*`, `--skip mount` every `mount.*`, `--skip write` the write phases.
+PHASES = ("setup", "ceiling.read", "ceiling.read_keep", "ceiling.small_get", "mount.cold_read",
+          "mount.warm_read", "mount.ls_cold", "mount.small_serial", "mount.small_parallel", "ceiling.put",
+          "ceiling.local_write", "ceiling.write_pair", "mount.write", "ceiling.small_put",
+          "mount.small_write")
+WRITE_PHASES = ("ceiling.put", "ceiling.local_write", "ceiling.write_pair", "mount.write",
+                "ceiling.small_put", "mount.small_write")
 
 # Parallelism of the small-file work, both direct and through the mount: the 64-way copy the
 # targets are stated for (and what MountConfig.store_concurrency is sized for).
@@ -65,6 +78,8 @@ SETUP_THREADS = 32
 _DEFAULTS = MountConfig()
 PART_BYTES = _DEFAULTS.part_bytes
 DEFAULT_CONCURRENCY = _DEFAULTS.readahead_max_bytes // _DEFAULTS.part_bytes
+# Threads writing ceiling.read_keep's parts to disk. More do not make this kind of disk faster.
+KEEP_WRITERS = 4
 # The ls target is stated for 10,000 entries; smaller listings get a proportional share of it.
 LS_TARGET_S_PER_10K = 2.0
 
@@ -720,6 +735,7 @@ class Bench:
         say(f"phases: {', '.join(phases)}")
         self._phase("setup", self.setup, always=True)
         self._phase("ceiling.read", self.ceiling_read)
+        self._phase("ceiling.read_keep", self.ceiling_read_keep)
         self._phase("ceiling.small_get", self.ceiling_small_get)
         if self.o.wants("mount.cold_read") or self.o.wants("mount.warm_read"):
             self._phase("mount.read", self.mount_reads, always=True)
@@ -731,6 +747,7 @@ class Bench:
             try:
                 self._phase("ceiling.put", self.ceiling_put)
                 self._phase("ceiling.local_write", self.ceiling_local_write)
+                self._phase("ceiling.write_pair", self.ceiling_write_pair)
                 self._phase("mount.write", self.mount_write)
                 self._phase("ceiling.small_put", self.ceiling_small_put)
                 self._phase("mount.small_write", self.mount_small_write)
@@ -800,9 +817,9 @@ class Bench:
     def _check_disk(self) -> None:
         o = self.o
         small = o.small_files * o.small_size
-        # Cache of the large object, its local source, a local copy, the mount's staging file, and
-        # three copies of the small files.
-        need = 4 * o.size + 4 * small if any(o.wants(p) for p in WRITE_PHASES) else o.size + 3 * small
+        # Cache of the large object and ceiling.read_keep's copy; with writes, its local source, two
+        # local copies and the mount's staging file too; three copies of the small files.
+        need = 6 * o.size + 4 * small if any(o.wants(p) for p in WRITE_PHASES) else 2 * o.size + 3 * small
         free = shutil.disk_usage(self.work).free
         if free < need + (1 << 30):
             raise BenchError(f"{self.work}: {_fmt_bytes(free)} free, the bench needs about "
@@ -945,25 +962,93 @@ class Bench:
                 pass
 
     # -- ceilings -------------------------------------------------------------------------------
-    def ceiling_read(self) -> None:
+    def _direct_read(self, what: str, keep: Callable[[int, bytes], None] | None = None,
+                     slots: threading.Semaphore | None = None) -> float:
+        """The large object in `o.concurrency` parallel ranged GETs of PART_BYTES; seconds until the
+        last one arrived. `keep(offset, data)`, if given, takes each part (in the GET's thread); with
+        `slots`, each GET first takes one (`keep` gives it back)."""
         o = self.o
         s3 = make_client(self.measured, pool=o.concurrency)
         key = self.lay.data + self.lay.large
         ranges = [(s, min(PART_BYTES, o.size - s)) for s in range(0, o.size, PART_BYTES)]
 
-        def get(r: tuple[int, int]) -> int:
-            n = len(_get_range(s3, o.bucket, key, *r))
-            if n != r[1]:
-                raise BenchError(f"ceiling.read: ranged GET returned {n} bytes, expected {r[1]}")
-            return n
+        def get(r: tuple[int, int]) -> None:
+            if slots is not None:
+                slots.acquire()
+            data = _get_range(s3, o.bucket, key, *r)
+            if len(data) != r[1]:
+                raise BenchError(f"{what}: ranged GET returned {len(data)} bytes, expected {r[1]}")
+            if keep is not None:
+                keep(r[0], data)
 
-        say(f"ceiling.read: {len(ranges)} ranged GETs of {PART_BYTES // MiB} MiB, {o.concurrency} at a time")
+        say(f"{what}: {len(ranges)} ranged GETs of {PART_BYTES // MiB} MiB, {o.concurrency} at a time"
+            + (", every part also written to local disk" if keep else ""))
         t0 = time.monotonic()
         run_parallel(get, ranges, o.concurrency)
-        dt = time.monotonic() - t0
+        return time.monotonic() - t0
+
+    def ceiling_read(self) -> None:
+        o = self.o
+        dt = self._direct_read("ceiling.read")
         rate = o.size / dt / 1e6
         say(f"ceiling.read: {_fmt_bytes(o.size)} in {dt:.2f} s = {rate:.0f} MB/s")
         self._figure(Figure("ceiling.read", rate, "MB/s"), seconds=dt, bytes=o.size)
+
+    def ceiling_read_keep(self) -> None:
+        """ceiling.read, every part also written to a local file beside the mount's cache, the way
+        the mount writes its cache: O_DIRECT from an aligned buffer, by writer threads of their own,
+        the parts fetched but not yet written bounded by the mount's memory budget. The clock stops
+        when the last GET arrives, as a reader is done then; the writes may still be finishing, as
+        the mount's may. Where the file system refuses O_DIRECT, the writes are buffered."""
+        o = self.o
+        dst = self.work / "read-keep.bin"
+        self.leftovers.add(dst)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        direct = hasattr(os, "O_DIRECT")
+        try:
+            fd = os.open(dst, flags | (os.O_DIRECT if direct else 0), 0o600)
+        except OSError:
+            fd, direct = os.open(dst, flags, 0o600), False
+        slots = threading.Semaphore(max(1, _DEFAULTS.data_budget_bytes // PART_BYTES))
+        writers = concurrent.futures.ThreadPoolExecutor(KEEP_WRITERS, thread_name_prefix="bench-keep")
+        buffers = threading.local()
+        pending: list[concurrent.futures.Future] = []
+
+        def write(off: int, data: bytes) -> None:
+            try:
+                if not direct:
+                    os.pwrite(fd, data, off)
+                    return
+                buf = getattr(buffers, "buf", None)
+                if buf is None:
+                    buf = buffers.buf = mmap.mmap(-1, PART_BYTES)  # page-aligned, as O_DIRECT wants
+                buf[:len(data)] = data
+                n = -(-len(data) // 4096) * 4096  # a short last part is padded to whole blocks
+                with memoryview(buf) as view:
+                    os.pwrite(fd, view[:n], off)
+            finally:
+                slots.release()
+
+        try:
+            t0 = time.monotonic()
+            dt = self._direct_read("ceiling.read_keep", lambda off, data: pending.append(
+                writers.submit(write, off, data)), slots)
+            for f in pending:
+                f.result()
+            if not direct:
+                os.fdatasync(fd)
+            kept = time.monotonic() - t0
+        finally:
+            writers.shutdown(wait=True, cancel_futures=True)
+            os.close(fd)
+        rate = o.size / dt / 1e6
+        say(f"ceiling.read_keep: {_fmt_bytes(o.size)} in {dt:.2f} s = {rate:.0f} MB/s, all on disk after "
+            f"{kept:.2f} s" + ("" if direct else " (buffered writes: the file system refused O_DIRECT)"))
+        read = self.figures.get("ceiling.read")
+        self._figure(_ratio_figure("ceiling.read_keep", rate, "MB/s", read and read.value,
+                                   note="no target: ceiling.read keeping every part on local disk, as a "
+                                        "cold read must"), seconds=dt, kept_seconds=kept, bytes=o.size,
+                     o_direct=direct)
 
     def ceiling_small_get(self) -> None:
         o, lay = self.o, self.lay
@@ -979,11 +1064,21 @@ class Bench:
 
     def ceiling_put(self) -> None:
         o = self.o
+        nparts = math.ceil(o.size / PART_BYTES)
+        say(f"ceiling.put: multipart upload of {_fmt_bytes(o.size)} in {nparts} parts, {o.concurrency} at a time")
+        dt = self._direct_upload("ceiling/large.bin")
+        rate = o.size / dt / 1e6
+        say(f"ceiling.put: {_fmt_bytes(o.size)} in {dt:.2f} s = {rate:.0f} MB/s")
+        self._figure(Figure("ceiling.put", rate, "MB/s"), seconds=dt, bytes=o.size, parts=nparts)
+
+    def _direct_upload(self, name: str) -> float:
+        """The large local source uploaded under the scratch prefix as `o.concurrency` parallel parts of
+        PART_BYTES (one PUT below S3's smallest part), then deleted; seconds until it was complete."""
+        o = self.o
         s3 = make_client(self.measured, pool=o.concurrency)
-        key = self.lay.scratch + "ceiling/large.bin"
+        key = self.lay.scratch + name
         nparts = math.ceil(o.size / PART_BYTES)
         fd = os.open(self.src_large, os.O_RDONLY)
-        say(f"ceiling.put: multipart upload of {_fmt_bytes(o.size)} in {nparts} parts, {o.concurrency} at a time")
         try:
             t0 = time.monotonic()
             if o.size < 5 * MiB:  # below S3's smallest part: one PUT is what anyone would do
@@ -1009,20 +1104,50 @@ class Bench:
         finally:
             os.close(fd)
         self.s3.delete_object(Bucket=o.bucket, Key=key)
-        rate = o.size / dt / 1e6
-        say(f"ceiling.put: {_fmt_bytes(o.size)} in {dt:.2f} s = {rate:.0f} MB/s")
-        self._figure(Figure("ceiling.put", rate, "MB/s"), seconds=dt, bytes=o.size, parts=nparts)
+        return dt
+
+    def _local_write(self, what: str, name: str) -> float:
+        dst = self.work / name
+        self.leftovers.add(dst)
+        dt, _ = _run_timed(["dd", f"if={self.src_large}", f"of={dst}", "bs=1M", "conv=fsync"], what)
+        return dt
 
     def ceiling_local_write(self) -> None:
-        dst = self.work / "local-write.bin"
         say(f"ceiling.local_write: dd of {_fmt_bytes(self.o.size)} to {self.work} with conv=fsync")
-        try:
-            dt, _ = _run_timed(["dd", f"if={self.src_large}", f"of={dst}", "bs=1M", "conv=fsync"],
-                               "ceiling.local_write")
-        finally:
-            self.leftovers.add(dst)
+        dt = self._local_write("ceiling.local_write", "local-write.bin")
         say(f"ceiling.local_write: {dt:.2f} s = {self.o.size / dt / 1e6:.0f} MB/s")
         self._figure(Figure("ceiling.local_write", dt, "s"), bytes=self.o.size)
+
+    def ceiling_write_pair(self) -> None:
+        """ceiling.local_write and ceiling.put at once: a close() that returns once the data is
+        durable locally, with the upload running meanwhile, costs at least this on this machine."""
+        say("ceiling.write_pair: the local dd and the direct upload at the same time")
+        result: dict[str, float | BaseException] = {}
+
+        def upload() -> None:
+            try:
+                result["put"] = self._direct_upload("ceiling/pair.bin")
+            except BaseException as e:  # noqa: BLE001 - re-raised below, in the bench's thread
+                result["put"] = e
+
+        t = threading.Thread(target=upload, name="bench-pair-upload")
+        t.start()
+        try:
+            local = self._local_write("ceiling.write_pair", "local-write-pair.bin")
+        finally:
+            t.join()
+        put = result["put"]
+        if isinstance(put, BaseException):
+            raise put
+        say(f"ceiling.write_pair: local dd {local:.2f} s, upload {put:.2f} s")
+        alone_local = self.figures.get("ceiling.local_write")
+        alone_put = self.details.get("ceiling.put", {}).get("seconds")
+        self._figure(_ratio_figure("ceiling.write_pair.local", local, "s", alone_local and alone_local.value,
+                                   note="no target: the local dd while the upload runs; ceiling column: "
+                                        "ceiling.local_write (s)"), bytes=self.o.size)
+        self._figure(_ratio_figure("ceiling.write_pair.put", put, "s", alone_put,
+                                   note="no target: the upload while the local dd runs; ceiling column: "
+                                        "ceiling.put (s)"), bytes=self.o.size)
 
     def ceiling_small_put(self) -> None:
         o, lay = self.o, self.lay
@@ -1227,8 +1352,10 @@ class Bench:
     def _report(self) -> None:
         o = self.o
         load_end = os.getloadavg()
-        order = ["ceiling.read", "mount.cold_read", "mount.warm_read", "ceiling.small_get", "mount.small_serial",
-                 "mount.small_parallel", "mount.ls_cold", "ceiling.local_write", "ceiling.put", "mount.write.close",
+        bounds = _bounds_text(self.figures, self.details)
+        order = ["ceiling.read", "ceiling.read_keep", "mount.cold_read", "mount.warm_read", "ceiling.small_get", "mount.small_serial",
+                 "mount.small_parallel", "mount.ls_cold", "ceiling.local_write", "ceiling.put", "ceiling.write_pair.local",
+                 "ceiling.write_pair.put", "mount.write.close",
                  "mount.write.commit", "ceiling.small_put", "mount.small_write.closed",
                  "mount.small_write.committed"]
         figures = [self.figures[n] for n in order if n in self.figures]
@@ -1249,6 +1376,9 @@ class Bench:
         verdicts = [f.passed for f in figures if f.passed is not None]
         if verdicts:
             print(f"\n{sum(verdicts)} of {len(verdicts)} targets met")
+        if bounds:
+            print("\nwhat this machine allows (from ceiling.read_keep and ceiling.write_pair):")
+            print("\n".join(f"  {b}" for b in bounds))
         if o.json_path:
             doc = {"ucfs_version": __version__, "host": {"nodename": os.uname().nodename, "nproc": os.cpu_count(),
                                                          "loadavg_start": self.loadavg_start,
@@ -1261,9 +1391,34 @@ class Bench:
                                 "small_parallel": SMALL_PARALLEL},
                    "figures": {f.name: asdict(f) for f in figures},
                    "details": self.details,
-                   "phase_cpu_percent": self.phase_cpu}
+                   "phase_cpu_percent": self.phase_cpu,
+                   "bounds": bounds}
             o.json_path.write_text(json.dumps(doc, indent=2) + "\n")
             say(f"figures written to {o.json_path}")
+
+
+def _bounds_text(figures: dict[str, Figure], details: dict[str, dict]) -> list[str]:
+    """What the bound measurements imply for the targets, a line each (none if not measured)."""
+    out = []
+    keep, cold = figures.get("ceiling.read_keep"), figures.get("mount.cold_read")
+    if keep is not None and keep.ratio is not None:
+        line = (f"cold read: keeping every part on local disk, a direct reader gets {keep.ratio:.2f} x "
+                f"ceiling.read (target for the mount: 0.8)")
+        if cold is not None:
+            line += f"; the mount's cold read is {cold.value / keep.value:.2f} x that"
+        out.append(line)
+    local = figures.get("ceiling.local_write")
+    put_s = details.get("ceiling.put", {}).get("seconds")
+    pair_local, pair_put = figures.get("ceiling.write_pair.local"), figures.get("ceiling.write_pair.put")
+    if local is not None and put_s and pair_local is not None and pair_put is not None:
+        out += [
+            "1 GiB write, close <= 1.5 x local dd and commit <= 1.25 x direct upload, three ways:",
+            f"  close waits for the upload: close >= {put_s / local.value:.2f} x local dd",
+            f"  close after a local sync, upload afterwards: commit >= {(local.value + put_s) / put_s:.2f} x direct",
+            f"  close after a local sync, upload meanwhile: close >= {pair_local.ratio:.2f} x local dd, "
+            f"commit >= {pair_put.ratio:.2f} x direct",
+        ]
+    return out
 
 
 class _sigint_deferred:

@@ -37,6 +37,15 @@ def test_a_small_bench_runs_every_phase_and_reports_ratios(s3_endpoint, bucket, 
                  "mount.small_write.committed"):
         assert figures[name]["value"] > 0 and figures[name]["ratio"] is not None, figures[name]
     assert figures["mount.ls_cold"]["value"] > 0
+    # The bounds: measured beside the ceilings, compared with them, and what they imply printed.
+    for name in ("ceiling.read_keep", "ceiling.write_pair.local", "ceiling.write_pair.put"):
+        assert figures[name]["value"] > 0 and figures[name]["ratio"] is not None, figures[name]
+        assert figures[name]["target"] == "" and figures[name]["passed"] is None
+    assert figures["ceiling.read_keep"]["ceiling"] == figures["ceiling.read"]["value"]
+    assert "what this machine allows" in r.stdout and "close after a local sync" in r.stdout
+    assert len(doc["bounds"]) == 5 and doc["bounds"][0].startswith("cold read: keeping every part")
+    left = [p.name for p in (tmp_path / "work").glob("*.bin") if not p.name.startswith("src-")]
+    assert not left, f"local copies left behind: {left}"
     # Each phase's CPU line, in the log and in the JSON.
     assert "mount.cold_read: CPUs" in r.stderr and "stolen by the hypervisor" in r.stderr
     cpu = doc["phase_cpu_percent"]["mount.cold_read"]
