@@ -115,6 +115,71 @@ def _cpu_shares(before: list[int] | None, after: list[int] | None) -> dict[str, 
     return {k: round(100 * d / total, 1) for k, d in zip(_CPU_KINDS, delta)}
 
 
+def _mem_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes: how much could be had without swapping."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _process_ticks() -> dict[int, tuple[str, int]]:
+    """CPU time so far (user + system, in clock ticks) of every process: pid -> (name, ticks)."""
+    out: dict[int, tuple[str, int]] = {}
+    try:
+        pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return out
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                text = f.read()
+            name = text[text.index("(") + 1:text.rindex(")")]  # a name may hold spaces and ')'
+            fields = text[text.rindex(")") + 2:].split()
+            out[pid] = (name, int(fields[11]) + int(fields[12]))  # utime, stime
+        except (OSError, ValueError, IndexError):
+            continue  # ended meanwhile
+    return out
+
+
+@dataclass
+class CpuReading:
+    """What the CPUs had done at one moment: the machine by kind, each process, and this process and
+    its waited-for children (the mount daemons, dd and cp, whose own entries are gone once they end)."""
+    machine: list[int] | None
+    processes: dict[int, tuple[str, int]]
+    own: float
+    children: float
+
+    @classmethod
+    def now(cls) -> "CpuReading":
+        t = os.times()
+        return cls(_cpu_ticks(), _process_ticks(), t.user + t.system, t.children_user + t.children_system)
+
+
+def _cpu_by_process(before: CpuReading, after: CpuReading, labels: dict[int, str] | None = None,
+                    top: int = 4) -> list[tuple[str, float]]:
+    """CPU seconds between two readings by process name (processes alive at both; `labels` names
+    some by pid), the busiest `top`, then this bench and its children that ended meanwhile."""
+    hz = os.sysconf("SC_CLK_TCK")
+    by_name: dict[str, float] = {}
+    for pid, (name, ticks) in after.processes.items():
+        old = before.processes.get(pid)
+        if old is not None and old[0] == name and pid != os.getpid() and ticks > old[1]:
+            name = (labels or {}).get(pid, name)
+            by_name[name] = by_name.get(name, 0.0) + (ticks - old[1]) / hz
+    named = set((labels or {}).values())
+    busiest = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
+    return [(n, round(v, 1)) for n, v in busiest if v >= 0.05 or n in named] + [
+        (n, round(by_name.get(n, 0.0), 1)) for n in sorted(named - {n for n, _ in busiest})] + [
+        ("this bench", round(after.own - before.own, 1)),
+        ("its ended children (mounts, dd, cp)", round(after.children - before.children, 1))]
+
+
 # --------------------------------------------------------------------------------------------------
 # command line
 
@@ -688,6 +753,8 @@ class Bench:
         self.figures: dict[str, Figure] = {}
         self.details: dict[str, dict] = {}
         self.phase_cpu: dict[str, dict[str, float]] = {}  # per phase: % of all CPUs by kind (/proc/stat)
+        self.phase_cpu_seconds: dict[str, dict[str, float]] = {}  # per phase: CPU seconds by process
+        self.mount_pids: dict[int, str] = {}  # live mount daemons, named in the CPU lines
         self.stack = contextlib.ExitStack()
         self.leftovers = Leftovers()
         self.loadavg_start = os.getloadavg()
@@ -763,7 +830,7 @@ class Bench:
         # Start clean: what earlier phases left dirty in the page cache (the mount writes small cache
         # segments and staging files through it) would otherwise be written back during this one.
         os.sync()
-        cpu0 = _cpu_ticks()
+        cpu0 = CpuReading.now()
         try:
             fn()
         except (bex.BotoCoreError, bex.ClientError) as e:
@@ -771,17 +838,23 @@ class Bench:
         if name != "mount.read":  # that one notes its cold and warm reads apart
             self._note_cpu(name, cpu0)
 
-    def _note_cpu(self, name: str, since: list[int] | None) -> None:
-        """Say what the whole machine's CPUs did since `since` (a `_cpu_ticks` reading), so that a
-        figure measured while the host was busy elsewhere, or lost time to the hypervisor (steal),
-        can be read for what it is."""
-        shares = _cpu_shares(since, _cpu_ticks())
+    def _note_cpu(self, name: str, since: CpuReading) -> None:
+        """Say what the whole machine's CPUs did since `since`, and which processes used them, so
+        that a figure measured while the host was busy elsewhere, or lost time to the hypervisor
+        (steal), can be read for what it is, and a slow phase shows where its time went."""
+        now = CpuReading.now()
+        shares = _cpu_shares(since.machine, now.machine)
         if shares is None:
             return
         self.phase_cpu[name] = shares
         busy = shares["user"] + shares["nice"] + shares["system"] + shares["irq"] + shares["softirq"]
+        avail = _mem_available()
         say(f"{name}: CPUs {busy:.0f}% busy, {shares['iowait']:.0f}% waiting for the disk, "
-            f"{shares['steal']:.0f}% stolen by the hypervisor, {shares['idle']:.0f}% idle")
+            f"{shares['steal']:.0f}% stolen by the hypervisor, {shares['idle']:.0f}% idle"
+            + ("" if avail is None else f"; memory available at the end {_fmt_bytes(avail)}"))
+        procs = _cpu_by_process(since, now, self.mount_pids)
+        self.phase_cpu_seconds[name] = dict(procs)
+        say(f"{name}: CPU seconds by process: " + ", ".join(f"{n} {v:.1f}" for n, v in procs))
 
     def _prepare(self) -> None:
         o = self.o
@@ -817,9 +890,9 @@ class Bench:
     def _check_disk(self) -> None:
         o = self.o
         small = o.small_files * o.small_size
-        # Cache of the large object and ceiling.read_keep's copy; with writes, its local source, two
-        # local copies and the mount's staging file too; three copies of the small files.
-        need = 6 * o.size + 4 * small if any(o.wants(p) for p in WRITE_PHASES) else 2 * o.size + 3 * small
+        # Cache of the large object (or ceiling.read_keep's copy, deleted before); with writes, its
+        # local source, a local copy and the mount's staging file too; three copies of the small files.
+        need = 4 * o.size + 4 * small if any(o.wants(p) for p in WRITE_PHASES) else o.size + 3 * small
         free = shutil.disk_usage(self.work).free
         if free < need + (1 << 30):
             raise BenchError(f"{self.work}: {_fmt_bytes(free)} free, the bench needs about "
@@ -869,8 +942,11 @@ class Bench:
         m = BenchMount(self.work, self.catalog, self.env, name, discard=self.leftovers.add)
         try:
             m.start()
+            self.mount_pids[m.proc.pid] = "ucfs mount"
             yield m
         finally:
+            if m.proc is not None:
+                self.mount_pids.pop(m.proc.pid, None)
             m.stop()
 
     def _vol(self, m: BenchMount, volume: str) -> Path:
@@ -1041,6 +1117,7 @@ class Bench:
         finally:
             writers.shutdown(wait=True, cancel_futures=True)
             os.close(fd)
+            dst.unlink(missing_ok=True)  # at once: its pages would crowd the next phases' memory
         rate = o.size / dt / 1e6
         say(f"ceiling.read_keep: {_fmt_bytes(o.size)} in {dt:.2f} s = {rate:.0f} MB/s, all on disk after "
             f"{kept:.2f} s" + ("" if direct else " (buffered writes: the file system refused O_DIRECT)"))
@@ -1106,15 +1183,18 @@ class Bench:
         self.s3.delete_object(Bucket=o.bucket, Key=key)
         return dt
 
-    def _local_write(self, what: str, name: str) -> float:
-        dst = self.work / name
+    def _local_write(self, what: str) -> float:
+        dst = self.work / "local-write.bin"
         self.leftovers.add(dst)
-        dt, _ = _run_timed(["dd", f"if={self.src_large}", f"of={dst}", "bs=1M", "conv=fsync"], what)
+        try:
+            dt, _ = _run_timed(["dd", f"if={self.src_large}", f"of={dst}", "bs=1M", "conv=fsync"], what)
+        finally:
+            dst.unlink(missing_ok=True)  # at once: its pages would crowd the next phases' memory
         return dt
 
     def ceiling_local_write(self) -> None:
         say(f"ceiling.local_write: dd of {_fmt_bytes(self.o.size)} to {self.work} with conv=fsync")
-        dt = self._local_write("ceiling.local_write", "local-write.bin")
+        dt = self._local_write("ceiling.local_write")
         say(f"ceiling.local_write: {dt:.2f} s = {self.o.size / dt / 1e6:.0f} MB/s")
         self._figure(Figure("ceiling.local_write", dt, "s"), bytes=self.o.size)
 
@@ -1133,7 +1213,7 @@ class Bench:
         t = threading.Thread(target=upload, name="bench-pair-upload")
         t.start()
         try:
-            local = self._local_write("ceiling.write_pair", "local-write-pair.bin")
+            local = self._local_write("ceiling.write_pair")
         finally:
             t.join()
         put = result["put"]
@@ -1174,7 +1254,7 @@ class Bench:
             path = self._vol(m, "data") / self.lay.large
             dd = ["dd", f"if={path}", "of=/dev/null", "bs=1M"]
             r0 = m.requests()
-            cpu0 = _cpu_ticks()
+            cpu0 = CpuReading.now()
             dt, _ = _run_timed(dd, "mount.cold_read", mount=m)
             self._note_cpu("mount.cold_read", cpu0)
             r1 = m.requests()
@@ -1187,7 +1267,7 @@ class Bench:
                 self._figure(_ratio_figure("mount.cold_read", cold, "MB/s", ceiling and ceiling.value,
                                            at_least=0.8), seconds=dt, requests=req)
             if self.o.wants("mount.warm_read"):
-                cpu0 = _cpu_ticks()
+                cpu0 = CpuReading.now()
                 dt2, _ = _run_timed(dd, "mount.warm_read", mount=m)
                 self._note_cpu("mount.warm_read", cpu0)
                 req = _request_delta(r1, m.requests())
@@ -1392,6 +1472,7 @@ class Bench:
                    "figures": {f.name: asdict(f) for f in figures},
                    "details": self.details,
                    "phase_cpu_percent": self.phase_cpu,
+                   "phase_cpu_seconds_by_process": self.phase_cpu_seconds,
                    "bounds": bounds}
             o.json_path.write_text(json.dumps(doc, indent=2) + "\n")
             say(f"figures written to {o.json_path}")

@@ -50,4 +50,8 @@ def test_a_small_bench_runs_every_phase_and_reports_ratios(s3_endpoint, bucket, 
     assert "mount.cold_read: CPUs" in r.stderr and "stolen by the hypervisor" in r.stderr
     cpu = doc["phase_cpu_percent"]["mount.cold_read"]
     assert 99 <= sum(cpu.values()) <= 101
+    # ... and which processes used them: the mount's daemon lives through the cold read.
+    assert "mount.cold_read: CPU seconds by process:" in r.stderr
+    by_process = doc["phase_cpu_seconds_by_process"]["mount.cold_read"]
+    assert by_process["ucfs mount"] >= 0 and "its ended children (mounts, dd, cp)" in by_process, by_process
     assert "targets met" in r.stdout
