@@ -219,6 +219,7 @@ class Committer:
         self._retired: set[str] = set()
         self.stats: collections.Counter[str] = collections.Counter()
         self._shutting_down = False
+        self._drain_stopped: str | None = None  # why a drain was told to stop, if it was
         self._spares: list[tuple[Path, int]] = []  # (path, fd) of empty staging files made ahead
         self._refilling = False
 
@@ -298,18 +299,32 @@ class Committer:
             shutil.move(str(p), dest)
             log.warning("staging file %s was never closed before the daemon stopped; kept as %s", p.name, dest)
 
+    def stop_draining(self, why: str) -> None:
+        """End a drain under way, or the next one, at once: what is left stays staged and journaled,
+        and the next mount commits it (a store that cannot be reached would keep a drain going)."""
+        self._drain_stopped = why
+
+    def _waiting(self) -> list[Staged]:
+        return [s for s in self.staged.values() if s.dirty and s.error is None and not s.dropped]
+
     async def shutdown(self, *, drain: bool) -> None:
-        """Stop: with drain, first wait (with progress in the log) until nothing commits any more."""
+        """Stop: with drain, first wait (with progress in the log) until nothing commits any more,
+        or `stop_draining` is called."""
         self._shutting_down = True
         if drain:
             last = 0.0
-            while any(s.dirty and s.error is None and not s.dropped for s in self.staged.values()):
+            while self._waiting() and self._drain_stopped is None:
                 if time.monotonic() - last > 2:
-                    pending = [s for s in self.staged.values() if s.dirty and s.error is None]
+                    pending = self._waiting()
                     log.info("draining: %d file(s), %.1f MiB waiting to be committed", len(pending),
                              sum(s.size for s in pending) / MiB)
                     last = time.monotonic()
                 await trio.sleep(0.05)
+            left = self._waiting()
+            if left and self._drain_stopped is not None:
+                log.warning("stopped draining (%s): %d file(s), %.1f MiB stay staged; the next mount "
+                            "of this cache directory commits them", self._drain_stopped, len(left),
+                            sum(s.size for s in left) / MiB)
         await self.journal.close()
         with trio.move_on_after(10):
             while self.journal._queue:

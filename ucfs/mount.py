@@ -4,7 +4,9 @@
 
 Everything runs in one trio nursery owned by `serve`. The FUSE loop ends when the file system is
 unmounted (`ucfs unmount`, `fusermount3 -u`) or on SIGINT/SIGTERM; then pending commits are drained
-(unless told not to), background tasks are cancelled and the session is closed.
+(unless told not to), background tasks are cancelled and the session is closed. A SIGINT or SIGTERM
+during the drain (the second one, if the first unmounted) stops it: what is left stays staged and
+journaled for the next mount, which commits it.
 """
 
 from __future__ import annotations
@@ -285,9 +287,10 @@ async def serve(catalog: Catalog, cfg: MountConfig, opts: MountOptions,
             if cfg.allow_other:
                 options.add("allow_other")
             pyfuse3.init(Operations(core), str(mountpoint), options)
+            fuse_done = trio.Event()  # the FUSE loop has ended: unmounted, by us or from outside
             try:
                 nursery.start_soon(tune_kernel_readahead, mountpoint, cfg.kernel_readahead_kib)
-                nursery.start_soon(_watch_signals)
+                nursery.start_soon(_watch_signals, committer, fuse_done)
                 log.info("mounted %d volume(s) from %s at %s", len(catalog.volumes), catalog.source,
                          mountpoint)
                 write_descriptor(mountpoint, catalog)
@@ -297,6 +300,7 @@ async def serve(catalog: Catalog, cfg: MountConfig, opts: MountOptions,
                 # spares avoids churning 1 MiB buffers through the allocator under bursty load.
                 await pyfuse3.main(min_tasks=8, max_tasks=cfg.fuse_max_tasks)
             finally:
+                fuse_done.set()
                 remove_descriptor(mountpoint)
                 pyfuse3.close(unmount=True)
             log.info("unmounted %s", mountpoint)
@@ -358,9 +362,16 @@ def _byte_totals(core: Core) -> dict[str, int]:
     return totals
 
 
-async def _watch_signals() -> None:
+async def _watch_signals(committer: Committer, fuse_done: trio.Event) -> None:
+    """The first SIGINT/SIGTERM while mounted unmounts (and the drain follows); one during the drain,
+    or a second one, stops the drain."""
+    unmounting = False
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
-            log.info("received %s; unmounting", signal.Signals(signum).name)
-            pyfuse3.terminate()
-            return
+            name = signal.Signals(signum).name
+            if not unmounting and not fuse_done.is_set():
+                unmounting = True
+                log.info("received %s; unmounting", name)
+                pyfuse3.terminate()
+            else:
+                committer.stop_draining(f"received {name}")

@@ -7,7 +7,8 @@ for a while. What the tests hold the mount to:
 - a read returns exactly the object's bytes (length and SHA-256 checked) or fails with EIO once the
   retry budget is spent - never other bytes, never a short read, never EAGAIN;
 - a closed file is committed once the store is back, with nothing lost;
-- a 30 s outage in the middle of a read/write loop is ridden out without a remount.
+- a 30 s outage in the middle of a read/write loop is ridden out without a remount;
+- a drain the store does not let finish ends on a signal, and the next mount commits what is left.
 
 Faults are counted by the proxy; the totals are printed (-s shows them) for the issue's closing note.
 """
@@ -20,12 +21,14 @@ import hashlib
 import os
 import random
 import re
+import signal
+import subprocess
 import threading
 import time
 
 import pytest
 
-from tests.support import obj, sync_dir, wait_until
+from tests.support import keys, obj, sync_dir, wait_until
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -252,6 +255,32 @@ def test_writes_commit_once_the_store_recovers(fault_proxy, mount_factory, s3, b
     log = m.log_path.read_text()
     assert re.search(r" WARNING ucfs\.commit: commit of .* failed \(attempt 1\)", log)
     report(f"writes during {outage.fired} refused write requests", fault_proxy)
+
+
+def test_a_signal_ends_a_drain_the_store_refuses_and_the_next_mount_commits(fault_proxy, mount_factory, s3,
+                                                                             bucket, prefix):
+    """Unmounted from outside (fusermount3 -u) while the store refuses writes, the daemon drains and
+    cannot finish: it keeps trying, holding its cache directory. A SIGTERM ends the drain and the daemon;
+    the file stays staged, and the next mount of that cache directory commits it."""
+    m = proxied(mount_factory, fault_proxy)
+    v = m.path()
+    refused = fault_proxy.fail(503, method="PUT|POST")
+    data = os.urandom(300 * KiB)
+    (v / "late.bin").write_bytes(data)  # close() returns: staged and journaled
+    assert wait_until(lambda: refused.fired >= 1, timeout=30)
+    subprocess.run(["fusermount3", "-u", str(m.mountpoint)], check=True)
+    assert wait_until(lambda: "draining: 1 file(s)" in m.log_path.read_text(), timeout=10), m.log_tail()
+    time.sleep(1)
+    assert m.proc.poll() is None, "the daemon gave up a pending commit on its own"
+    m.proc.send_signal(signal.SIGTERM)
+    assert m.proc.wait(timeout=30) == 0, m.log_tail()
+    assert re.search(r"stopped draining \(received SIGTERM\): 1 file\(s\)", m.log_path.read_text()), m.log_tail()
+    assert keys(s3, bucket, f"{prefix}/vol/") == []
+    refused.disable()
+    m.proc = None
+    m.start()
+    sync_dir(m.path())
+    assert obj(s3, bucket, f"{prefix}/vol/late.bin") == data
 
 
 def test_writes_survive_broken_write_requests(fault_proxy, mount_factory, s3, bucket, prefix):
