@@ -70,6 +70,12 @@ STREAM_START_BYTES = 32 * MiB
 BACKGROUND_SYNC_BYTES = 64 * MiB
 # ... nor while a stream is at most this many windows (parts in flight) behind the writer.
 STREAM_LAG_WINDOWS = 4
+# A file being written checks the staging disk's free space (making room by evicting cache, or
+# refusing with ENOSPC) once per this many bytes: often enough not to overrun the floor by much,
+# seldom enough that a 1 MiB write does not pay a statfs in a disk thread every time. Keyed to
+# unsynced bytes it did, for every write of a stream that kept up, which is never synced: a second
+# thread trip in the writer's serial chain of requests.
+SPACE_CHECK_BYTES = 16 * MiB
 # Retry delays for transient failures: doubling from the first, jittered, capped.
 RETRY_FIRST_S = 0.5
 RETRY_CAP_S = 60.0
@@ -183,6 +189,7 @@ class Staged:
     appends_only: bool = True  # every write so far extended the file (stream candidate)
     stream: Stream | None = None
     unsynced: int = 0
+    unchecked: int = 0  # bytes written since the last free-space check
     created_at: float = field(default_factory=time.time)
     lock: trio.Lock = field(default_factory=trio.Lock)  # data changes vs. snapshot reads
     commit_lock: trio.Lock = field(default_factory=trio.Lock)  # one commit at a time
@@ -459,7 +466,8 @@ class Committer:
         end = off + len(data)
         if end > MAX_OBJECT_BYTES:
             raise errors.fs_error(errors.EFBIG, "larger than the store's largest object (5 TiB)")
-        if s.unsynced > BACKGROUND_SYNC_BYTES // 2:
+        if s.unchecked >= SPACE_CHECK_BYTES:
+            s.unchecked = 0
             await run_disk(self._check_space)
         async with s.lock:
             appending = off == s.size
@@ -477,6 +485,7 @@ class Committer:
                 s.appends_only = False
                 self._invalidate_stream(s, "write inside already written data")
         s.unsynced += n
+        s.unchecked += n
         if s.unsynced >= BACKGROUND_SYNC_BYTES and not self._stream_keeps_up(s):
             s.unsynced = 0
             self.pin(s)
