@@ -71,10 +71,10 @@ BACKGROUND_SYNC_BYTES = 64 * MiB
 # ... nor while a stream is at most this many windows (parts in flight) behind the writer.
 STREAM_LAG_WINDOWS = 4
 # A file being written checks the staging disk's free space (making room by evicting cache, or
-# refusing with ENOSPC) once per this many bytes: often enough not to overrun the floor by much,
-# seldom enough that a 1 MiB write does not pay a statfs in a disk thread every time. Keyed to
-# unsynced bytes it did, for every write of a stream that kept up, which is never synced: a second
-# thread trip in the writer's serial chain of requests.
+# refusing with ENOSPC) once per this many bytes written: often enough not to overrun the floor by
+# much, seldom enough that a 1 MiB write does not pay a statfs in a disk thread every time. (A check
+# keyed to unsynced bytes ran at every write of a stream that kept up, since such a stream is never
+# synced: a second thread trip in the writer's serial chain of requests.)
 SPACE_CHECK_BYTES = 16 * MiB
 # Retry delays for transient failures: doubling from the first, jittered, capped.
 RETRY_FIRST_S = 0.5
@@ -320,9 +320,8 @@ class Committer:
         self._shutting_down = True
         if drain:
             last = 0.0
-            while self._waiting() and self._drain_stopped is None:
+            while self._drain_stopped is None and (pending := self._waiting()):
                 if time.monotonic() - last > 2:
-                    pending = self._waiting()
                     log.info("draining: %d file(s), %.1f MiB waiting to be committed", len(pending),
                              sum(s.size for s in pending) / MiB)
                     last = time.monotonic()
