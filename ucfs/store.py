@@ -445,6 +445,11 @@ class S3Store:
         return ListPage(objects, prefixes, nxt)
 
     def check_bucket(self, bucket: str) -> None:
+        # On the pooled connections like every request of normal operation: botocore's own pool
+        # would keep one more connection open for the life of the mount.
+        if self._lean is not None:
+            self._lean_request("head_bucket", "HEAD", bucket, "", {})
+            return
         self._call("head_bucket", bucket, self._client.head_bucket, Bucket=bucket)
 
     def create_bucket(self, bucket: str) -> None:
