@@ -97,6 +97,8 @@ def _mount_config(args) -> MountConfig:
         kw["store_read_timeout_s"] = args.store_timeout
     if args.metrics_port:
         kw["metrics_port"] = args.metrics_port
+    if args.no_passthrough:
+        kw["passthrough"] = False
     return MountConfig(**kw)
 
 
@@ -323,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--store-timeout", type=float, help="seconds before a silent store request is retried "
                    "(default 30)")
     m.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
+    m.add_argument("--no-passthrough", action="store_true",
+                   help="send every write through the daemon, even where the kernel could write files "
+                        "being written straight to their staging files (FUSE passthrough)")
     m.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground, log to stderr")
     m.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "trace"])
     m.add_argument("--no-drain", action="store_true",

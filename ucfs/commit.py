@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import trio
+import xxhash
 
 from . import errors
 from .aiostore import AsyncStore, run_disk
@@ -92,6 +93,11 @@ SPARE_STAGING_FILES = 8
 SPARE_PREFIX = "spare-"
 # Parts of one file uploaded at once; parts of all files together are bounded by the store limiter.
 PARTS_IN_FLIGHT_PER_FILE = 8
+# How often a file written in passthrough mode (ucfs.passthrough), which we do not see being
+# written, is looked at: its growth feeds its stream and its background syncs. 1 GiB written at
+# 2 GB/s grows by 40 MB between looks: a few parts, handed out at once.
+PASSTHROUGH_POLL_S = 0.02
+PASSTHROUGH_IDLE_POLL_S = 1.0
 # Blocks of a freshly committed file up to this size are put in the block cache straight from the
 # staging file, so reading back what was just written costs no GET.
 CACHE_AFTER_COMMIT_MAX_BYTES = 64 * MiB
@@ -101,6 +107,10 @@ CACHE_AFTER_COMMIT_MAX_BYTES = 64 * MiB
 # one back right away costs nothing either way (the kernel keeps its pages, see Inode.page_cache_etag);
 # only a re-read after those pages are gone pays one GET, and caches the file then.
 CACHE_AFTER_COMMIT_MIN_BYTES = 1 * MiB
+
+
+def _digest(data) -> bytes:
+    return xxhash.xxh3_128_digest(data)
 
 
 def _close_and_remove(fd: int, path: Path) -> None:
@@ -155,6 +165,10 @@ class Stream:
     idle: trio.Event = field(default_factory=trio.Event)
     valid: bool = True
     error: BaseException | None = None
+    # Written in passthrough mode: we cannot see whether a write went past the end or into a part
+    # already sent, so each part's digest is kept and checked against the file before completing.
+    verify: bool = False
+    digests: dict[int, tuple[int, int, bytes]] = field(default_factory=dict)  # part -> off, len, xxh3
 
 
 @dataclass(eq=False)
@@ -190,6 +204,18 @@ class Staged:
     stream: Stream | None = None
     unsynced: int = 0
     unchecked: int = 0  # bytes written since the last free-space check
+    # Passthrough (ucfs.passthrough): the kernel's id of the staging file as a backing file, the
+    # handles open in that mode and how many of them write, whether any ever wrote (the kernel's
+    # pages of the inode then do not hold what was committed), and the staging file's mtime when we
+    # last looked.
+    backing_id: int | None = None
+    pt_handles: int = 0
+    pt_writers: int = 0
+    pt_written: bool = False
+    seen_mtime_ns: int = 0
+    filled: int = 0  # the staging file has no hole below this offset (`_check_appends`)
+    look_every: float = PASSTHROUGH_POLL_S  # `_watch_passthrough`: how often, and when next
+    next_look: float = 0.0
     created_at: float = field(default_factory=time.time)
     lock: trio.Lock = field(default_factory=trio.Lock)  # data changes vs. snapshot reads
     commit_lock: trio.Lock = field(default_factory=trio.Lock)  # one commit at a time
@@ -229,6 +255,8 @@ class Committer:
         self._drain_stopped: str | None = None  # why a drain was told to stop, if it was
         self._spares: list[tuple[Path, int]] = []  # (path, fd) of empty staging files made ahead
         self._refilling = False
+        self._watched: set[Staged] = set()  # files with passthrough writers (`_watch_passthrough`)
+        self._watching = False
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -485,12 +513,119 @@ class Committer:
                 self._invalidate_stream(s, "write inside already written data")
         s.unsynced += n
         s.unchecked += n
+        self._grown(s)
+        return n
+
+    def _grown(self, s: Staged) -> None:
+        """s has new data: sync it in the background, or hand it to the stream."""
         if s.unsynced >= BACKGROUND_SYNC_BYTES and not self._stream_keeps_up(s):
             s.unsynced = 0
             self.pin(s)
             self._nursery.start_soon(self._background_sync, s)
         self._maybe_stream(s)
-        return n
+
+    # -- passthrough ----------------------------------------------------------------------------
+    def passthrough_opened(self, s: Staged, writable: bool) -> None:
+        s.pt_handles += 1
+        if not writable:
+            return
+        s.pt_writers += 1
+        s.pt_written = True
+        s.generation += 1  # it may change from now on without our seeing it
+        if s.stream is not None and not s.stream.verify:
+            # Its parts so far have no digests to check them by, and may now be written over.
+            self._invalidate_stream(s, "a passthrough writer opened it")
+        self._watched.add(s)
+        if not self._watching and self._nursery is not None:
+            self._watching = True
+            self._nursery.start_soon(self._watch_passthrough)
+
+    def passthrough_closed(self, s: Staged, writable: bool) -> None:
+        s.pt_handles -= 1
+        if writable:
+            self.observe(s)  # the last bytes it wrote, before the release commits them
+            s.pt_writers -= 1
+            if not s.pt_writers:
+                self._watched.discard(s)
+
+    def observe(self, s: Staged) -> int:
+        """Bring s's size and mtime up to date with its staging file, which passthrough writers
+        write behind our back. Returns how many bytes it grew by."""
+        if s.retired:
+            return 0
+        st = os.fstat(s.fd)
+        grew = st.st_size - s.size
+        if grew or st.st_mtime_ns != s.seen_mtime_ns:
+            s.seen_mtime_ns = st.st_mtime_ns
+            s.mtime_ns = st.st_mtime_ns
+            s.size = st.st_size
+            s.high_water = max(s.high_water, s.size)
+        if grew > 0:
+            s.unsynced += grew
+            s.unchecked += grew
+            self._check_appends(s)
+        return grew
+
+    async def _watch_passthrough(self) -> None:
+        """Look at the files passthrough writers are writing, and act on their growth as write()
+        does on ours: streams get their parts, background syncs and space checks happen."""
+        try:
+            while self._watched and not self._shutting_down:
+                now = trio.current_time()
+                for s in list(self._watched):
+                    if s.retired or not s.pt_writers:
+                        self._watched.discard(s)
+                        continue
+                    if now < s.next_look:
+                        continue
+                    if self.observe(s) > 0:
+                        s.look_every = PASSTHROUGH_POLL_S
+                        if s.unchecked >= SPACE_CHECK_BYTES:
+                            s.unchecked = 0
+                            await run_disk(self._check_space_quietly)
+                        self._grown(s)
+                    else:
+                        # A file held open without being written (a log, a handle kept for later)
+                        # is looked at less and less often, down to once a second.
+                        s.look_every = min(PASSTHROUGH_IDLE_POLL_S, 2 * s.look_every)
+                    s.next_look = now + s.look_every
+                await trio.sleep(PASSTHROUGH_POLL_S)
+        finally:
+            self._watching = False
+
+    @staticmethod
+    def _check_size(s: Staged) -> None:
+        """write() refuses to grow a file past the store's largest object; a passthrough writer's
+        writes reach the staging file unchecked, so its close and fsync say it instead. The file
+        stays staged: truncated back, it commits."""
+        if s.size > MAX_OBJECT_BYTES:
+            raise errors.fs_error(errors.EFBIG, "larger than the store's largest object (5 TiB); "
+                                                "truncate it to commit it")
+
+    def _check_appends(self, s: Staged) -> None:
+        """Whether a passthrough writer still writes front to back, as far as we can tell: a hole
+        below the end means it wrote further on first. Then the file is not streamed, as write()
+        decides for the writes it sees. (Rewrites of data already written are not holes: a stream's
+        parts are checked against the file before its upload completes, `_verify_stream`.)"""
+        if not s.appends_only or s.size <= s.filled:
+            return
+        try:
+            hole = os.lseek(s.fd, s.filled, os.SEEK_HOLE)
+        except OSError:
+            hole = s.filled  # a file system that cannot say: assume the worst
+        if hole < s.size:
+            s.appends_only = False
+            self._invalidate_stream(s, "written out of order")
+        else:
+            s.filled = s.size
+
+    def _check_space_quietly(self) -> None:
+        """Make room as `_check_space` does; a full disk is the writer's to see (the kernel's write
+        to the staging file fails with ENOSPC)."""
+        try:
+            self._check_space()
+        except OSError:
+            pass
 
     async def _background_sync(self, s: Staged) -> None:
         try:
@@ -512,6 +647,8 @@ class Committer:
         if size > MAX_OBJECT_BYTES:  # as in write(): the store could never hold it
             raise errors.fs_error(errors.EFBIG, "larger than the store's largest object (5 TiB)")
         async with s.lock:
+            if s.pt_writers:
+                self.observe(s)
             s.high_water = max(s.high_water, s.size, size)
             shrinks = size < s.size
             s.shrinking += shrinks  # reads running meanwhile must know at once (core.read)
@@ -524,6 +661,7 @@ class Committer:
                     await run_disk(os.ftruncate, s.fd, size)
             finally:
                 s.shrinking -= shrinks
+            s.filled = min(s.filled, size)
             if shrinks:
                 s.appends_only = False
                 self._invalidate_stream(s, "truncated")
@@ -546,15 +684,20 @@ class Committer:
             self.unpin(s)
 
     # -- close / fsync ----------------------------------------------------------------------------
-    async def flush(self, s: Staged) -> None:
+    async def flush(self, s: Staged, *, unseen: bool = False) -> None:
         """close(): make the data durable locally and record it. Reports a permanent failure of an
-        earlier commit of this file.
+        earlier commit of this file. `unseen`: closed by a passthrough writer, whose writes we did
+        not see; the file counts as changed.
 
         The commit is queued when the last writer lets go (release), not here: FUSE flushes on every
         close() of every descriptor, and a shell's `> file` closes a dup of the file before writing to
         it, so committing at each flush would publish an empty object first and upload twice."""
         if s.dropped:
             return
+        if unseen:
+            self.observe(s)
+            s.generation += 1
+            self._check_size(s)
         async with s.flush_lock:
             if s.generation > s.flushed_generation and s.dirty and not s.dropped:
                 gen = s.generation
@@ -582,6 +725,10 @@ class Committer:
         s.fsync_waiters += 1  # before anything is queued: a stream must not wait for the last close
         self.pin(s)  # fsync of a directory holds no handle of the file
         try:
+            if s.pt_writers:
+                self.observe(s)
+                s.generation += 1  # what passthrough writers wrote so far, unseen
+                self._check_size(s)
             if s.dirty and not s.dropped:
                 # The caller waits for the store anyway: commit now, and skip the local sync and the
                 # journal record, which only matter while the file waits for a worker.
@@ -774,7 +921,8 @@ class Committer:
         node.size = s.size if info.size < 0 else info.size
         node.mtime_ns = time.time_ns()
         node.attr_expires = time.monotonic() + self.cfg.metadata_ttl_s
-        node.page_cache_etag = info.etag  # the kernel's pages are this content
+        # The kernel's pages are this content - unless passthrough writers wrote it, past the pages.
+        node.page_cache_etag = None if s.pt_written else info.etag
         self.core.note_changed(node)  # listings and probes still on their way must not undo this
         s.committed_generation = max(s.committed_generation, gen)
         s.attempts = 0
@@ -819,14 +967,15 @@ class Committer:
 
     @contextlib.asynccontextmanager
     async def _part_data(self, s: Staged, store: AsyncStore, off: int, length: int,
-                         gen: int | None = None):
+                         gen: int | None = None, *, in_memory: bool = False):
         """The body of one upload part. Where the store sends files (plain HTTP), that is the range
         of s's staging file itself: sendfile(2) hands its page-cache pages to the socket, with no
         copy into or out of our memory, so it takes nothing from the memory budget. Otherwise the
         bytes are read, under the budget, into a pooled buffer when the part is pool-sized: a fresh
         8 MiB bytes object costs 2,048 page faults and an munmap, per part. With `gen`, check under
         the file's lock that the file is still at that generation, or fail with _Changed (a stream
-        reads appended data no write touches, without the lock).
+        reads appended data no write touches, without the lock). `in_memory`: the bytes are wanted
+        (to take their digest), never a file range.
 
         A file range is read while it is sent, after the check: a write meanwhile can put newer
         bytes in the part. Every caller checks the generation again before it completes the upload
@@ -839,7 +988,7 @@ class Committer:
                     raise _Changed()
                 return await run_disk(fn, *args) if fn is not None else None
 
-        if store.sends_files:
+        if store.sends_files and not in_memory:
             await read(None)
             yield FileBody(s.fd, off, length)
             return
@@ -970,7 +1119,7 @@ class Committer:
         if st is None:
             if s.size < STREAM_START_BYTES:
                 return
-            st = s.stream = Stream(s.node.key)
+            st = s.stream = Stream(s.node.key, verify=s.pt_writers > 0)
             st.idle.set()
             self._nursery.start_soon(self._create_stream, s, st)
         if not st.valid:
@@ -1006,21 +1155,15 @@ class Committer:
             if not st.valid or st.upload_id is None:
                 return
             store = self.core.store_for(vol)
-            async with self._part_slots, self._part_data(s, store, off, length) as data:
-                delay = RETRY_FIRST_S
-                for attempt in range(5):
-                    if not st.valid:
-                        return
-                    try:
-                        st.parts[n] = await store.upload_part(vol.bucket, st.key, st.upload_id, n, data, length)
-                        st.done_bytes += length
-                        self.stats["stream_parts"] += 1
-                        return
-                    except errors.StoreError as e:
-                        if not e.transient or attempt == 4:
-                            raise
-                        await trio.sleep(delay * (0.5 + random.random()))
-                        delay = min(delay * 2, RETRY_CAP_S)
+            async with self._part_slots, self._part_data(s, store, off, length, in_memory=st.verify) as data:
+                digest = await run_disk(_digest, data) if st.verify else b""
+                if not st.valid:
+                    return
+                st.parts[n] = await self._upload_part_retrying(store, vol, st, n, data, length)
+                if st.verify:
+                    st.digests[n] = (off, length, digest)
+                st.done_bytes += length
+                self.stats["stream_parts"] += 1
         except errors.StoreError as e:
             st.error = e
             self._invalidate_stream(s, f"part upload failed: {e}")
@@ -1029,6 +1172,46 @@ class Committer:
             if st.inflight == 0:
                 st.idle.set()
             self.unpin(s)
+
+    async def _upload_part_retrying(self, store: AsyncStore, vol: Volume, st: Stream, n: int, data,
+                                    length: int) -> str:
+        delay = RETRY_FIRST_S
+        for attempt in range(5):
+            try:
+                return await store.upload_part(vol.bucket, st.key, st.upload_id, n, data, length)
+            except errors.StoreError as e:
+                if not e.transient or attempt == 4 or not st.valid:
+                    raise
+                await trio.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, RETRY_CAP_S)
+        raise AssertionError("unreachable")
+
+    async def _verify_stream(self, s: Staged, st: Stream, store: AsyncStore) -> None:
+        """Check each part a stream sent against the staging file now, and send again the ones
+        that were written over since (passthrough writers: we could not see where they wrote)."""
+        vol = s.volume
+        resent = 0
+
+        async def one(n: int, off: int, length: int, digest: bytes) -> None:
+            nonlocal resent
+            async with self._part_slots, self._part_data(s, store, off, length, in_memory=True) as data:
+                if len(data) == length and await run_disk(_digest, data) == digest:
+                    return
+                if len(data) != length:
+                    raise _Changed()  # the file shrank under the part: commit it whole
+                st.parts[n] = await self._upload_part_retrying(store, vol, st, n, data, length)
+                resent += 1
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for n, (off, length, digest) in sorted(st.digests.items()):
+                    nursery.start_soon(one, n, off, length, digest)
+        except BaseExceptionGroup as group:
+            raise _representative(group) from None
+        self.stats["stream_parts_verified"] += len(st.digests)
+        if resent:
+            self.stats["stream_parts_resent"] += resent
+            log.debug("%s: %d part(s) of its stream were written over and sent again", s.node.mount_path(), resent)
 
     def _invalidate_stream(self, s: Staged, why: str) -> None:
         st = s.stream
@@ -1069,6 +1252,8 @@ class Committer:
             await st.idle.wait()
             if st.error is not None or not st.valid:
                 raise _Changed()
+            if st.verify:
+                await self._verify_stream(s, st, store)
             if tail > 0:
                 st.parts[st.next_part] = await store.upload_part(vol.bucket, st.key, st.upload_id,
                                                                  st.next_part, data, tail)
@@ -1128,6 +1313,10 @@ class Committer:
         if self.staged.get(node.ino) is s:
             del self.staged[node.ino]
         self._invalidate_stream(s, "retired")
+        self._watched.discard(s)
+        if s.backing_id is not None:
+            self.core.passthrough.close_backing(s.backing_id)
+            s.backing_id = None
         if self._nursery is not None:
             # Off the event loop: on ext4 the close of a file that was truncated and written again
             # starts its writeback (auto_da_alloc), measured at 100-300 ms on a busy disk, during

@@ -124,6 +124,11 @@ class MountConfig:
     # Let users other than the mounting one see the mount (they still need grants).
     allow_other: bool = False
 
+    # Files being written are opened in FUSE passthrough mode where the kernel offers it (Linux 6.9+,
+    # as root): their writes go straight to the staging file instead of through this daemon
+    # (ucfs.passthrough). Off: every write is a request we answer, as on older kernels.
+    passthrough: bool = True
+
     # Serve Prometheus metrics on 127.0.0.1 at this port (0: off). Loopback only: metrics name paths.
     metrics_port: int = 0
 

@@ -108,6 +108,7 @@ class FileHandle:
     writable: bool = False
     staged: Any = None  # the commit.Staged this handle keeps alive, if any
     opened_at: float = field(default_factory=time.monotonic)
+    passthrough: bool = False  # the kernel reads and writes its staging file itself (ucfs.passthrough)
 
 
 class Core:
@@ -129,6 +130,7 @@ class Core:
         self._nursery: trio.Nursery | None = None
         self._probes: dict[tuple[str, str], _Shared] = {}
         self.committer = None  # set by mount when writes are enabled (commit.Committer)
+        self.passthrough = None  # set by mount (passthrough.Passthrough)
         # What this mount changed itself, and when (time.monotonic()). A store answer obtained
         # before a local change - a listing, probe or HEAD still on its way when a commit, rename,
         # create or unlink happened, or an opendir's snapshot read later - is older than what we
@@ -189,6 +191,8 @@ class Core:
         writable = node.volume is not None and not node.volume.read_only
         if node.kind is Kind.FILE:
             st = node.staged
+            if st is not None and st.pt_writers:
+                self.committer.observe(st)  # written behind our back: the staging file knows
             size = st.size if st is not None else node.size
             mtime = st.mtime_ns if st is not None else node.mtime_ns
             mode = stat_mod.S_IFREG | (0o644 if writable else 0o444)
@@ -583,13 +587,44 @@ class Core:
             return self._staged_handle(node, node.staged, False), False
         if not node.attrs_fresh() and not node.deleted:
             await self._revalidate(node)
+            if node.staged is not None:
+                # Written meanwhile, maybe by a passthrough writer, beside whom the kernel would
+                # refuse this open in page-cache mode (EIO): read what is staged, as it would.
+                return self._staged_handle(node, node.staged, False), False
         return self.open_version(node)
 
     def _staged_handle(self, node: Inode, staged, writable: bool) -> int:
+        passthrough = self._may_passthrough(node, staged)
         staged.handles += 1
         if writable:
             staged.writers += 1
-        return self._new_handle(FileHandle(node, None, staged.size, writable=writable, staged=staged))
+        h = FileHandle(node, None, staged.size, writable=writable, staged=staged)
+        fh = self._new_handle(h)
+        if passthrough and self.passthrough.grant(fh, staged.backing_id):
+            h.passthrough = True
+            self.committer.passthrough_opened(staged, writable)
+            self.stats["passthrough_opens"] += 1
+        return fh
+
+    def _may_passthrough(self, node: Inode, staged) -> bool:
+        """Whether a new handle of a staged file opens in passthrough mode (ucfs.passthrough).
+
+        The kernel fails an open with EIO if it would mix passthrough and page-cache opens of one
+        inode. So: always while other passthrough handles are open (the kernel may have released
+        some of those we still count, never one we do not), never while any other handle is open,
+        and otherwise for files whose content is new or changed (created, truncated, written): a
+        passthrough writer's every close counts as a change, which would upload a file that was
+        merely opened for writing again."""
+        pt = self.passthrough
+        if pt is None or self.committer is None:
+            return False
+        if staged.pt_handles:
+            return True
+        if node.opens or not staged.dirty or not pt.active:
+            return False
+        if staged.backing_id is None:
+            staged.backing_id = pt.open_backing(staged.fd)
+        return staged.backing_id is not None
 
     def _version(self, node: Inode) -> ObjectVersion:
         vol = node.volume
@@ -671,6 +706,8 @@ class Core:
             return
         try:
             if h.staged is not None:
+                if h.passthrough:
+                    self.committer.passthrough_closed(h.staged, h.writable)
                 await self.committer.release(h)
         finally:
             if h.reader is not None:
@@ -741,7 +778,7 @@ class Core:
     async def flush(self, fh: int) -> None:
         h = self.file_handle(fh)
         if h.staged is not None:
-            await self.committer.flush(h.staged)
+            await self.committer.flush(h.staged, unseen=h.passthrough and h.writable)
 
     async def fsync(self, fh: int) -> None:
         h = self.file_handle(fh)
@@ -771,6 +808,8 @@ class Core:
             # file so a commit finishing meanwhile cannot retire it under us.
             self.committer.pin(staged)
             try:
+                if staged.pt_writers:
+                    self.committer.observe(staged)
                 if staged.size != size or size == 0:
                     await self.committer.truncate(staged, size)
                 if staged.writers == 0:
@@ -1065,6 +1104,8 @@ class Core:
             out["cache"] = self.cache.statistics()
         if self.committer is not None:
             out["commits"] = self.committer.statistics()
+        if self.passthrough is not None:
+            out["passthrough"] = self.passthrough.statistics()
         return out
 
 

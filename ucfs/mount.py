@@ -36,6 +36,7 @@ from .config import MountConfig, mount_descriptor_path
 from .core import Core
 from .errors import UcfsError
 from .fs import Operations
+from .passthrough import Passthrough
 from .store import LocalStore, S3Store, Store
 
 log = logging.getLogger(__name__)
@@ -252,6 +253,7 @@ async def serve(catalog: Catalog, cfg: MountConfig, opts: MountOptions,
         cache = BlockCache(state / "cache", size_bytes=cfg.cache_size_bytes,
                            free_floor_bytes=cfg.cache_free_floor_bytes, block_bytes=cfg.block_bytes)
         core = Core(catalog, stores, cache, cfg)
+        core.passthrough = Passthrough(cfg.passthrough)
         core.budget.on_reading = allocator.reading
         committer = Committer(state, core, cfg)
         async with trio.open_nursery() as nursery:
@@ -287,6 +289,7 @@ async def serve(catalog: Catalog, cfg: MountConfig, opts: MountOptions,
             if cfg.allow_other:
                 options.add("allow_other")
             pyfuse3.init(Operations(core), str(mountpoint), options)
+            core.passthrough.install()  # before main(): the kernel's INIT is answered there
             fuse_done = trio.Event()  # the FUSE loop has ended: unmounted, by us or from outside
             try:
                 nursery.start_soon(tune_kernel_readahead, mountpoint, cfg.kernel_readahead_kib)

@@ -1,0 +1,204 @@
+"""Files being written in FUSE passthrough mode (ucfs/passthrough.py): the kernel writes them to
+their staging files itself, and the daemon, which no longer sees the writes, must still commit exactly
+what was written - rewrites of parts a stream already sent, truncates, mmap writes included.
+
+These need a kernel that offers passthrough (Linux 6.9+); elsewhere they are skipped, and the rest
+of the suite covers the write path as it is without it. The last test runs that path here too."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import subprocess
+import time
+
+import pytest
+
+from tests.support import fsync_path, obj, sync_dir, wait_until
+
+MiB = 1 << 20
+TiB = 1 << 40
+
+
+def _passthrough(m) -> dict:
+    pt = m.status().get("passthrough") or {}
+    if not pt.get("offered"):
+        pytest.skip("this kernel does not offer FUSE passthrough (Linux 6.9+ with CONFIG_FUSE_PASSTHROUGH)")
+    assert pt["active"], pt
+    return pt
+
+
+def _writes_seen(m) -> int:
+    return m.status()["core"].get("writes", 0)
+
+
+def test_a_large_file_is_written_past_the_daemon_and_committed_whole(mount, s3, bucket, prefix):
+    _passthrough(mount)
+    data = os.urandom(48 * MiB)
+    src = mount.root / "src.bin"
+    src.write_bytes(data)
+    p = mount.path() / "big.bin"
+    subprocess.run(["dd", f"if={src}", f"of={p}", "bs=1M", "status=none"], check=True)
+    st = mount.status()
+    assert st["core"].get("passthrough_opens", 0) == 1
+    assert _writes_seen(mount) == 0  # not one write request reached the daemon
+    assert os.stat(p).st_size == len(data)
+    fsync_path(p)
+    assert obj(s3, bucket, f"{prefix}/vol/big.bin") == data
+    assert p.read_bytes() == data
+
+
+def test_size_is_seen_while_a_passthrough_writer_writes(mount):
+    _passthrough(mount)
+    p = mount.path() / "growing.bin"
+    with open(p, "wb") as f:
+        f.write(b"x" * 300_000)
+        f.flush()
+        # Once the kernel's attributes have expired, stat asks the daemon, which did not see the
+        # write and must look at the staging file.
+        time.sleep(1.2)
+        out = subprocess.run(["stat", "-c", "%s", str(p)], capture_output=True, text=True, check=True)
+        assert int(out.stdout) == 300_000
+        with open(p, "rb") as r:  # a reader while it is written: also in passthrough mode
+            assert r.read() == b"x" * 300_000
+            f.write(b"y" * 1000)
+            f.flush()
+            assert r.read() == b"y" * 1000
+    assert mount.status()["core"].get("passthrough_opens", 0) == 2
+
+
+def test_a_part_written_over_after_its_stream_sent_it_is_sent_again(mount, s3, bucket, prefix):
+    _passthrough(mount)
+    first = os.urandom(72 * MiB)
+    patch = os.urandom(MiB)
+    p = mount.path() / "rewritten.bin"
+    with open(p, "wb") as f:
+        f.write(first)
+        f.flush()
+        # The stream has sent the first parts of the file...
+        assert wait_until(lambda: mount.status()["commits"].get("stream_parts", 0) >= 2, 60)
+        # ...and now the writer goes back and writes over the start, which we cannot see.
+        f.seek(0)
+        f.write(patch)
+    fsync_path(p)
+    expected = patch + first[len(patch):]
+    assert obj(s3, bucket, f"{prefix}/vol/rewritten.bin") == expected
+    c = mount.status()["commits"]
+    assert c.get("stream_parts_resent", 0) >= 1, c
+    assert c.get("streamed", 0) == 1, c  # the stream was completed, with the part sent again
+
+
+def test_writing_further_on_first_is_not_streamed_and_commits_exactly(mount, s3, bucket, prefix):
+    _passthrough(mount)
+    data = os.urandom(64 * MiB)
+    p = mount.path() / "tail-first.bin"
+    with open(p, "wb") as f:
+        f.seek(len(data) - MiB)
+        f.write(data[-MiB:])
+        f.flush()
+        # Let the daemon look before the rest is written (it looks every 20 ms, and stat asks it
+        # once the attributes have expired): it finds the file grown with a hole below its end.
+        # Without the pause a fast writer may fill the hole before anyone looks, and then
+        # streaming the file is right.
+        time.sleep(1.2)
+        subprocess.run(["stat", str(p)], capture_output=True, check=True)
+        f.seek(0)
+        f.write(data[:-MiB])
+    fsync_path(p)
+    assert obj(s3, bucket, f"{prefix}/vol/tail-first.bin") == data
+    c = mount.status()["commits"]
+    assert c.get("stream_parts", 0) == 0, c  # the hole below the end said: not front to back
+
+
+def test_truncate_fsync_and_mmap_of_a_passthrough_file(mount, s3, bucket, prefix):
+    _passthrough(mount)
+    key = f"{prefix}/vol/edited.bin"
+    p = mount.path() / "edited.bin"
+    with open(p, "w+b") as f:
+        f.write(b"a" * (3 * MiB))
+        f.flush()
+        os.fsync(f.fileno())  # reaches the daemon, which commits what it has not seen
+        assert obj(s3, bucket, key) == b"a" * (3 * MiB)
+        f.truncate(MiB)
+        f.seek(0, os.SEEK_END)
+        f.write(b"b" * 10)
+        f.flush()
+        with mmap.mmap(f.fileno(), 0) as m:
+            m[0:4] = b"MMAP"
+            m.flush()
+        os.fsync(f.fileno())
+        expected = b"MMAP" + b"a" * (MiB - 4) + b"b" * 10
+        assert obj(s3, bucket, key) == expected
+    assert p.read_bytes() == expected
+
+
+def test_a_file_open_for_reading_keeps_its_writer_out_of_passthrough(mount, s3, bucket, prefix):
+    """The kernel refuses passthrough beside a page-cache open of the same inode (EIO): a reader of
+    the committed object keeps a new writer on the daemon's path, and both work."""
+    _passthrough(mount)
+    key = f"{prefix}/vol/shared.bin"
+    s3.put_object(Bucket=bucket, Key=key, Body=b"old" * 1000)
+    p = mount.path() / "shared.bin"
+    with open(p, "rb") as r:
+        assert r.read(3) == b"old"
+        with open(p, "wb") as w:
+            w.write(b"new" * 1000)
+        assert _writes_seen(mount) >= 1
+        assert mount.status()["core"].get("passthrough_opens", 0) == 0
+    fsync_path(p)
+    assert obj(s3, bucket, key) == b"new" * 1000
+
+
+def test_without_passthrough_every_write_goes_through_the_daemon(mount_factory, s3, bucket, prefix):
+    m = mount_factory(args=("--no-passthrough",))
+    data = os.urandom(40 * MiB)
+    p = m.path() / "plain.bin"
+    with open(p, "wb") as f:
+        for i in range(0, len(data), MiB):
+            f.write(data[i:i + MiB])
+    fsync_path(p)
+    assert obj(s3, bucket, f"{prefix}/vol/plain.bin") == data
+    st = m.status()
+    assert st["core"].get("passthrough_opens", 0) == 0
+    assert st["core"].get("writes", 0) >= 40
+    assert st["passthrough"]["active"] is False
+
+
+def test_a_passthrough_write_past_the_largest_object_is_efbig_at_close(mount, s3, bucket, prefix):
+    _passthrough(mount)
+    p = mount.path() / "huge.bin"
+    fd = os.open(p, os.O_CREAT | os.O_WRONLY | os.O_TRUNC)
+    os.write(fd, b"head")
+    # The kernel writes the (sparse) staging file itself: nothing can refuse this write...
+    os.pwrite(fd, b"x", 5 * TiB)
+    # ...so close() says that the file can never be committed as it is,
+    with pytest.raises(OSError) as e:
+        os.close(fd)
+    assert e.value.errno == errno.EFBIG
+    # and it stays staged, to be cut back and committed.
+    assert os.stat(p).st_size == 5 * TiB + 1
+    os.truncate(p, 4)
+    sync_dir(mount.path())
+    assert obj(s3, bucket, f"{prefix}/vol/huge.bin") == b"head"
+    assert mount.status()["commits"]["failed"] == 0
+
+
+def test_refused_opens_leave_nothing_behind_on_the_wire(mount_factory, s3, bucket, prefix):
+    """Each OPEN is noted on its way in until its reply goes out - an error reply too, or the notes
+    would pile up until new opens could no longer be told apart."""
+    m = mount_factory({"test.s.vol": {"prefix": f"{prefix}/vol"},
+                       "test.s.ro": {"prefix": f"{prefix}/ro", "read_only": True}})
+    _passthrough(m)
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/ro/kept.txt", Body=b"kept")
+    for _ in range(20):
+        with pytest.raises(OSError) as e:
+            open(m.path("test.s.ro") / "kept.txt", "r+b")
+        assert e.value.errno == errno.EROFS
+    (m.path() / "new.txt").write_bytes(b"new")
+    assert (m.path() / "new.txt").read_bytes() == b"new"
+    pt = m.status()["passthrough"]
+    assert pt["opens_awaiting_reply"] == 0, pt
+    assert pt["grants_waiting"] == 0, pt
+    assert pt["opens"] >= 1, pt
+    assert obj(s3, bucket, f"{prefix}/ro/kept.txt") == b"kept"
