@@ -1377,8 +1377,11 @@ class Bench:
             t_commit = m.wait_committed(c0 + 1, timeout_s=max(300.0, o.size / 5e6)) - t0
             req = _request_delta(r0, m.requests())
             # close() finishes an upload that kept up with the writer, else syncs the staging file
-            how = ("close() finished the upload" if (m.status().get("commits") or {}).get("committed_at_close")
+            st = m.status()
+            how = ("close() finished the upload" if (st.get("commits") or {}).get("committed_at_close")
                    else "close() synced the staging file")
+            how += ("; written in passthrough mode, past the daemon" if (st.get("core") or {}).get("passthrough_opens")
+                    else "; every write through the daemon")
         key = self.lay.scratch + "written.bin"
         got = int(self.s3.head_object(Bucket=o.bucket, Key=key)["ContentLength"])
         if got != o.size:
