@@ -166,7 +166,9 @@ class Stream:
     valid: bool = True
     error: BaseException | None = None
     # Written in passthrough mode: we cannot see whether a write went past the end or into a part
-    # already sent, so each part's digest is kept and checked against the file before completing.
+    # already sent, so each part sent while a passthrough writer has the file open is sent from
+    # memory, and its digest kept and checked against the file before completing. (Parts sent once
+    # the last one has let go are sent from the file: nobody can change it unseen any more.)
     verify: bool = False
     digests: dict[int, tuple[int, int, bytes]] = field(default_factory=dict)  # part -> off, len, xxh3
 
@@ -256,6 +258,9 @@ class Committer:
         self._spares: list[tuple[Path, int]] = []  # (path, fd) of empty staging files made ahead
         self._refilling = False
         self._watched: set[Staged] = set()  # files with passthrough writers (`_watch_passthrough`)
+        # Parts being put in the cache after their file's commit, all files together: a background
+        # nicety, kept to a few parts' worth of memory however many files commit at once.
+        self._caching = trio.CapacityLimiter(2)
         self._watching = False
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -532,8 +537,9 @@ class Committer:
         s.pt_writers += 1
         s.pt_written = True
         s.generation += 1  # it may change from now on without our seeing it
-        if s.stream is not None and not s.stream.verify:
-            # Its parts so far have no digests to check them by, and may now be written over.
+        if s.stream is not None:
+            # Parts sent while nobody could write unseen carry no digests to check them by, and
+            # may now be written over.
             self._invalidate_stream(s, "a passthrough writer opened it")
         self._watched.add(s)
         if not self._watching and self._nursery is not None:
@@ -957,13 +963,45 @@ class Committer:
             self.unpin(s)
 
     async def _cache_committed(self, s: Staged, version: ObjectVersion) -> None:
+        """Put the committed file's blocks in the cache, a part at a time as the read path does:
+        read into a pooled, page-aligned buffer under the memory budget and written from it with
+        O_DIRECT, without a copy. (Block by block, each took an unbudgeted `bytes` and a copy into
+        an aligned buffer, and made a cache file of its own.)"""
+        P = self.cfg.part_bytes
+        off = 0
+        while off < s.size:
+            n = min(P, s.size - off)
+            async with self._caching:
+                if not await self._cache_part(s, version, off, n):
+                    return
+            off += n
+
+    async def _cache_part(self, s: Staged, version: ObjectVersion, off: int, n: int) -> bool:
         B = self.cfg.block_bytes
-        for i in range((s.size + B - 1) // B):
+        budget, pool = self.core.budget, self.core.pool
+        await budget.reserve(n)
+        buf = pool.acquire(n)
+        whole = data = None
+        try:
             async with s.lock:
                 if s.dirty:
-                    return
-                data = await run_disk(os.pread, s.fd, B, i * B)
-            await run_disk(self.core.cache.put_block, version, i, data)
+                    return False
+                if buf is None:
+                    data = await run_disk(os.pread, s.fd, n, off)
+                else:
+                    whole = memoryview(buf)
+                    data = whole[:await run_disk(os.preadv, s.fd, [whole[:n]], off)]
+            if len(data) != n:
+                return False  # shorter than committed: changed meanwhile (and so no longer cached)
+            await run_disk(self.core.cache.put_blocks, version, off // B, data, buf)
+            return True
+        finally:
+            if buf is not None:
+                for view in (data, whole):
+                    if view is not None:
+                        view.release()
+                pool.release(buf)
+            budget.release(n)
 
     @contextlib.asynccontextmanager
     async def _part_data(self, s: Staged, store: AsyncStore, off: int, length: int,
@@ -1155,12 +1193,14 @@ class Committer:
             if not st.valid or st.upload_id is None:
                 return
             store = self.core.store_for(vol)
-            async with self._part_slots, self._part_data(s, store, off, length, in_memory=st.verify) as data:
-                digest = await run_disk(_digest, data) if st.verify else b""
-                if not st.valid:
-                    return
-                st.parts[n] = await self._upload_part_retrying(store, vol, st, n, data, length)
-                if st.verify:
+            async with self._part_slots:
+                verify = st.verify and s.pt_writers > 0
+                async with self._part_data(s, store, off, length, in_memory=verify) as data:
+                    digest = await run_disk(_digest, data) if verify else b""
+                    if not st.valid:
+                        return
+                    st.parts[n] = await self._upload_part_retrying(store, vol, st, n, data, length)
+                if verify:
                     st.digests[n] = (off, length, digest)
                 st.done_bytes += length
                 self.stats["stream_parts"] += 1
