@@ -271,7 +271,10 @@ def test_status_and_metrics_show_the_live_figures(fault_proxy, mount_factory, s3
     fault_proxy.fail(503, method="PUT", path="held")
     (v / "denied.bin").write_bytes(b"no")
     (v / "held.bin").write_bytes(b"later")
-    assert wait_until(lambda: m.status()["commits"]["failed"] == 1, timeout=30)
+    # ...and the held one retried at least once (a second 503): files written in passthrough mode
+    # close fast enough for the status to be read before the retry's back-off is over.
+    assert wait_until(lambda: m.status()["commits"]["failed"] == 1 and m.store_stats().get("errors", 0) >= 3,
+                      timeout=30)
 
     text = subprocess.run([sys.executable, "-m", "ucfs", "status", str(m.mountpoint)], capture_output=True,
                           text=True, cwd=REPO, check=True).stdout
