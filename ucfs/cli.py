@@ -295,6 +295,17 @@ def format_status(mnt: str, st: dict) -> str:
             "create_multipart", "complete_multipart", "abort_multipart", "list_multipart")))
         lines.append(f"  store {name}: {reqs}, {s.get('get_bytes', 0) / 2**20:.1f} MiB read, "
                      f"{s.get('put_bytes', 0) / 2**20:.1f} MiB written, retries {retries}, errors {s.get('errors', 0)}")
+    pt = st.get("passthrough")
+    if pt:
+        if pt.get("active"):
+            how = f"on (opens in this mode so far: {(st.get('core') or {}).get('passthrough_opens', 0)})"
+        elif pt.get("broken"):
+            how = f"given up: {pt['broken']}"
+        elif not pt.get("wanted"):
+            how = "off"
+        else:
+            how = "not offered by this kernel"
+        lines.append(f"  passthrough writes: {how}")
     cm = st.get("commits")
     if cm:
         lines.append(f"  commits: {cm.get('pending', 0)} pending ({cm.get('pending_bytes', 0) / 2**20:.1f} MiB), "

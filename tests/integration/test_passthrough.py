@@ -11,6 +11,7 @@ import errno
 import mmap
 import os
 import subprocess
+import sys
 import time
 
 import pytest
@@ -43,6 +44,9 @@ def test_a_large_file_is_written_past_the_daemon_and_committed_whole(mount, s3, 
     st = mount.status()
     assert st["core"].get("passthrough_opens", 0) == 1
     assert _writes_seen(mount) == 0  # not one write request reached the daemon
+    text = subprocess.run([sys.executable, "-m", "ucfs", "status", str(mount.mountpoint)], capture_output=True,
+                          text=True, check=True).stdout
+    assert "passthrough writes: on (opens in this mode so far: 1)" in text, text
     assert os.stat(p).st_size == len(data)
     fsync_path(p)
     assert obj(s3, bucket, f"{prefix}/vol/big.bin") == data
@@ -163,6 +167,9 @@ def test_without_passthrough_every_write_goes_through_the_daemon(mount_factory, 
     assert st["core"].get("passthrough_opens", 0) == 0
     assert st["core"].get("writes", 0) >= 40
     assert st["passthrough"]["active"] is False
+    text = subprocess.run([sys.executable, "-m", "ucfs", "status", str(m.mountpoint)], capture_output=True,
+                          text=True, check=True).stdout
+    assert "passthrough writes: off" in text, text
 
 
 def test_a_passthrough_write_past_the_largest_object_is_efbig_at_close(mount, s3, bucket, prefix):
