@@ -171,6 +171,7 @@ class Stream:
     # the last one has let go are sent from the file: nobody can change it unseen any more.)
     verify: bool = False
     digests: dict[int, tuple[int, int, bytes]] = field(default_factory=dict)  # part -> off, len, xxh3
+    checked: set[int] = field(default_factory=set)  # parts found (or made) to match the file
 
 
 @dataclass(eq=False)
@@ -1228,27 +1229,31 @@ class Committer:
 
     async def _verify_stream(self, s: Staged, st: Stream, store: AsyncStore) -> None:
         """Check each part a stream sent against the staging file now, and send again the ones
-        that were written over since (passthrough writers: we could not see where they wrote)."""
+        that were written over since (passthrough writers: we could not see where they wrote).
+        Parts checked by an earlier call are not checked again."""
         vol = s.volume
         resent = 0
+        todo = [(n, part) for n, part in sorted(st.digests.items()) if n not in st.checked]
 
         async def one(n: int, off: int, length: int, digest: bytes) -> None:
             nonlocal resent
             async with self._part_slots, self._part_data(s, store, off, length, in_memory=True) as data:
                 if len(data) == length and await run_disk(_digest, data) == digest:
+                    st.checked.add(n)
                     return
                 if len(data) != length:
                     raise _Changed()  # the file shrank under the part: commit it whole
                 st.parts[n] = await self._upload_part_retrying(store, vol, st, n, data, length)
+                st.checked.add(n)
                 resent += 1
 
         try:
             async with trio.open_nursery() as nursery:
-                for n, (off, length, digest) in sorted(st.digests.items()):
+                for n, (off, length, digest) in todo:
                     nursery.start_soon(one, n, off, length, digest)
         except BaseExceptionGroup as group:
             raise _representative(group) from None
-        self.stats["stream_parts_verified"] += len(st.digests)
+        self.stats["stream_parts_verified"] += len(todo)
         if resent:
             self.stats["stream_parts_resent"] += resent
             log.debug("%s: %d part(s) of its stream were written over and sent again", s.node.mount_path(), resent)
@@ -1289,6 +1294,15 @@ class Committer:
             tail = size - st.next_off
             data = await run_disk(os.pread, s.fd, tail, st.next_off) if tail > 0 else b""
         try:
+            if st.verify:
+                # The writers are gone: check the parts sent so far while the last ones are still
+                # on their way, then those.
+                try:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(self._verify_stream, s, st, store)
+                        await st.idle.wait()
+                except BaseExceptionGroup as group:
+                    raise _representative(group) from None
             await st.idle.wait()
             if st.error is not None or not st.valid:
                 raise _Changed()
