@@ -206,11 +206,6 @@ class Staged:
     appends_only: bool = True  # every write so far extended the file (stream candidate)
     stream: Stream | None = None
     unsynced: int = 0
-    # A background sync is running. One at a time: each writes all the file's dirty pages anyway,
-    # and a passthrough writer grows a file by 64 MiB every few tens of ms, which started a sync
-    # at nearly every look, each holding a disk thread until the disk caught up - the threads the
-    # stream's part reads wait for.
-    syncing: bool = False
     unchecked: int = 0  # bytes written since the last free-space check
     # Passthrough (ucfs.passthrough): the kernel's id of the staging file as a backing file, the
     # handles open in that mode and how many of them write, whether any ever wrote (the kernel's
@@ -529,9 +524,8 @@ class Committer:
 
     def _grown(self, s: Staged) -> None:
         """s has new data: sync it in the background, or hand it to the stream."""
-        if s.unsynced >= BACKGROUND_SYNC_BYTES and not s.syncing and not self._stream_keeps_up(s):
+        if s.unsynced >= BACKGROUND_SYNC_BYTES and not self._stream_keeps_up(s):
             s.unsynced = 0
-            s.syncing = True
             self.pin(s)
             self._nursery.start_soon(self._background_sync, s)
         self._maybe_stream(s)
@@ -646,7 +640,6 @@ class Committer:
         except OSError:
             pass  # the fdatasync at close reports problems
         finally:
-            s.syncing = False
             self.unpin(s)
 
     def pin(self, s: Staged) -> None:
