@@ -60,6 +60,9 @@ class _Handler(socketserver.BaseRequestHandler):
 class _Server(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # socketserver's default backlog is 5: 24 connections at once, on a busy machine, overflowed it
+    # and one came back reset.
+    request_queue_size = 64
     greet = False
 
 
