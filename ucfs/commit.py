@@ -968,44 +968,26 @@ class Committer:
         read into a pooled, page-aligned buffer under the memory budget and written from it with
         O_DIRECT, without a copy. (Block by block, each took an unbudgeted `bytes` and a copy into
         an aligned buffer, and made a cache file of its own.)"""
-        P = self.cfg.part_bytes
+        B, P = self.cfg.block_bytes, self.cfg.part_bytes
+        if s.dirty:
+            return  # changed since the commit (this may run later, see _cache_committed_later)
+        gen = s.generation  # a change from here on ends the caching (_part_data: _Changed)
         off = 0
-        while off < s.size:
-            n = min(P, s.size - off)
-            async with self._caching:
-                if not await self._cache_part(s, version, off, n):
-                    return
-            off += n
-
-    async def _cache_part(self, s: Staged, version: ObjectVersion, off: int, n: int) -> bool:
-        B = self.cfg.block_bytes
-        budget, pool = self.core.budget, self.core.pool
-        await budget.reserve(n)
-        buf = pool.acquire(n)
-        whole = data = None
         try:
-            async with s.lock:
-                if s.dirty:
-                    return False
-                if buf is None:
-                    data = await run_disk(os.pread, s.fd, n, off)
-                else:
-                    whole = memoryview(buf)
-                    data = whole[:await run_disk(os.preadv, s.fd, [whole[:n]], off)]
-            if len(data) != n:
-                return False  # shorter than committed: changed meanwhile (and so no longer cached)
-            await run_disk(self.core.cache.put_blocks, version, off // B, data, buf)
-            return True
-        finally:
-            if buf is not None:
-                for view in (data, whole):
-                    if view is not None:
-                        view.release()
-                pool.release(buf)
-            budget.release(n)
+            while off < s.size:
+                n = min(P, s.size - off)
+                async with self._caching, self._part_data(s, None, off, n, gen, in_memory=True) as data:
+                    if len(data) != n:
+                        return  # shorter than committed: changed meanwhile (and so no longer cached)
+                    # A pooled buffer is page-aligned: the segment is written from it, without a copy.
+                    backing = data.obj if isinstance(data, memoryview) else None
+                    await run_disk(self.core.cache.put_blocks, version, off // B, data, backing)
+                off += n
+        except _Changed:
+            return
 
     @contextlib.asynccontextmanager
-    async def _part_data(self, s: Staged, store: AsyncStore, off: int, length: int,
+    async def _part_data(self, s: Staged, store: AsyncStore | None, off: int, length: int,
                          gen: int | None = None, *, in_memory: bool = False):
         """The body of one upload part. Where the store sends files (plain HTTP), that is the range
         of s's staging file itself: sendfile(2) hands its page-cache pages to the socket, with no
@@ -1027,7 +1009,7 @@ class Committer:
                     raise _Changed()
                 return await run_disk(fn, *args) if fn is not None else None
 
-        if store.sends_files and not in_memory:
+        if not in_memory and store.sends_files:
             await read(None)
             yield FileBody(s.fd, off, length)
             return
