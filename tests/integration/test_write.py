@@ -403,3 +403,19 @@ def test_a_multipart_upload_created_just_before_a_kill_is_aborted_at_the_next_mo
     db = sqlite3.connect(mount.state_dir / "journal.sqlite3")
     assert wait_until(lambda: not db.execute("SELECT * FROM uploads").fetchall(), 10)
     db.close()
+
+
+def test_a_file_written_here_is_in_the_cache_once_committed(mount, s3, bucket, prefix):
+    """Files of 1 MiB to 64 MiB go into the block cache when committed (README "Semantics": Reads):
+    read back after a remount, they cost no GET."""
+    data = os.urandom(20 * MiB + 12345)
+    p = mount.path() / "cached.bin"
+    p.write_bytes(data)
+    fsync_path(p)
+    assert obj(s3, bucket, f"{prefix}/vol/cached.bin") == data
+    # The cache is filled in the background after the commit: let it land before unmounting.
+    assert wait_until(lambda: mount.status()["cache"]["blocks"] >= -(-len(data) // MiB), timeout=20)
+    mount.stop()
+    mount.start()
+    assert p.read_bytes() == data
+    assert mount.store_stats().get("get", 0) == 0
