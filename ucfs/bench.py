@@ -50,7 +50,7 @@ import threading
 import time
 import urllib.parse
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -209,6 +209,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--work-dir", help="mountpoints, cache dirs and local files (default: a temp dir, removed)")
     r.add_argument("--skip", default="", help="comma list of phases to skip: " + ", ".join(PHASES)
                    + " (or a group: ceiling, mount, write)")
+    r.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run every measured phase N times, in rounds, and judge each figure by its median "
+                        "round (default 1). Each round measures a ceiling just before the mount figure it "
+                        "is compared with, so a ratio is never made of two moments of a noisy host")
     r.add_argument("--json", dest="json_path", metavar="FILE", help="also write all figures to FILE")
 
 
@@ -229,6 +233,7 @@ class Options:
     work_dir: Path | None
     skip: frozenset[str]
     json_path: Path | None
+    repeat: int = 1
 
     @classmethod
     def from_args(cls, args) -> "Options":
@@ -244,6 +249,8 @@ class Options:
             raise BenchError("--small-files and --listing-entries must be at least 1")
         if args.concurrency < 1:
             raise BenchError("--concurrency must be at least 1")
+        if args.repeat < 1:
+            raise BenchError("--repeat must be at least 1")
         if args.latency_ms is not None and args.latency_ms < 0:
             raise BenchError("--latency-ms must not be negative")
         size, small = parse_size(args.size), parse_size(args.small_size)
@@ -257,7 +264,8 @@ class Options:
                    small_files=args.small_files, small_size=small, listing_entries=args.listing_entries,
                    latency_ms=args.latency_ms, concurrency=args.concurrency,
                    work_dir=Path(args.work_dir).absolute() if args.work_dir else None,
-                   skip=frozenset(skip), json_path=Path(args.json_path) if args.json_path else None)
+                   skip=frozenset(skip), json_path=Path(args.json_path) if args.json_path else None,
+                   repeat=args.repeat)
 
     def wants(self, phase: str) -> bool:
         if phase in self.skip or phase.split(".")[0] in self.skip:
@@ -298,6 +306,7 @@ class Figure:
     target: str = ""  # e.g. ">= 0.8"
     passed: bool | None = None  # None: no target, or its reference was not measured
     note: str = ""
+    rounds: list[float] | None = None  # with --repeat: each round's ratio (or value), in round order
 
 
 def _ratio_figure(name: str, value: float, unit: str, ceiling: float | None, *, at_least: float | None = None,
@@ -333,13 +342,19 @@ def _fmt_num(v: float | None) -> str:
 
 
 def format_table(figures: list[Figure]) -> str:
-    rows = [("figure", "value", "unit", "ceiling", "ratio", "target", "result")]
+    with_rounds = any(f.rounds for f in figures)
+    rows = [("figure", "value", "unit", "ceiling", "ratio", "target", "result")
+            + (("each round",) if with_rounds else ())]
     for f in figures:
         result = {True: "PASS", False: "FAIL", None: ""}[f.passed]
         if f.target and f.passed is None:
             result = "n/a"
-        rows.append((f.name, _fmt_num(f.value), f.unit, _fmt_num(f.ceiling),
-                     "-" if f.ratio is None else f"{f.ratio:.2f}", f.target or "-", result))
+        row = (f.name, _fmt_num(f.value), f.unit, _fmt_num(f.ceiling),
+               "-" if f.ratio is None else f"{f.ratio:.2f}", f.target or "-", result)
+        if with_rounds:
+            fmt = (lambda v: f"{v:.2f}") if f.ratio is not None else _fmt_num
+            row += (" ".join(fmt(v) for v in f.rounds or ()),)
+        rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     right = {1, 3, 4}
     lines = []
@@ -350,6 +365,33 @@ def format_table(figures: list[Figure]) -> str:
             lines.append("-+-".join("-" * w for w in widths))
     notes = [f"  {f.name}: {f.note}" for f in figures if f.note]
     return "\n".join(lines + (["notes:"] + notes if notes else []))
+
+
+def median_rounds(rounds: list[dict[str, Figure]]) -> dict[str, str | int]:
+    """Which round stands for each figure: the median one, by ratio where the figure has one (value
+    otherwise). With an even number of rounds, of the two in the middle the one that is worse for
+    the target (the lower for ">=", the higher for "<="), so that repeating never flatters."""
+    chosen = {}
+    names = dict.fromkeys(n for r in rounds for n in r)
+    for name in names:
+        have = [(i, r[name]) for i, r in enumerate(rounds) if name in r]
+        by_ratio = all(f.ratio is not None for _, f in have)
+        key = (lambda f: f.ratio) if by_ratio else (lambda f: f.value)
+        ordered = sorted(have, key=lambda x: key(x[1]))
+        lo, hi = ordered[(len(ordered) - 1) // 2], ordered[len(ordered) // 2]
+        pick = hi if have[0][1].target.startswith("<=") else lo
+        chosen[name] = pick[0]
+    return chosen
+
+
+def combine_rounds(rounds: list[dict[str, Figure]]) -> dict[str, Figure]:
+    """One figure per name: its median round's, carrying every round's ratio (or value)."""
+    out = {}
+    for name, i in median_rounds(rounds).items():
+        f = rounds[i][name]
+        per_round = [(r[name].ratio if f.ratio is not None else r[name].value) for r in rounds if name in r]
+        out[name] = replace(f, rounds=per_round)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -755,6 +797,11 @@ class Bench:
         self.phase_cpu: dict[str, dict[str, float]] = {}  # per phase: % of all CPUs by kind (/proc/stat)
         self.phase_cpu_seconds: dict[str, dict[str, float]] = {}  # per phase: CPU seconds by process
         self.mount_pids: dict[int, str] = {}  # live mount daemons, named in the CPU lines
+        # With --repeat: what each finished round measured, and the suffix that gives this round's
+        # mounts and local copies names of their own (removing the last round's right before a
+        # phase would make that phase pay for it: see Leftovers).
+        self.rounds: list[dict] = []
+        self.tag = ""
         self.stack = contextlib.ExitStack()
         self.leftovers = Leftovers()
         self.loadavg_start = os.getloadavg()
@@ -801,6 +848,24 @@ class Bench:
         phases = [p for p in PHASES if self.o.wants(p)]
         say(f"phases: {', '.join(phases)}")
         self._phase("setup", self.setup, always=True)
+        for i in range(self.o.repeat):
+            if self.o.repeat > 1:
+                self.tag = f"-r{i + 1}"
+                say(f"round {i + 1} of {self.o.repeat}")
+            self._round()
+            if self.o.repeat > 1:
+                self.rounds.append({"figures": self.figures, "details": self.details,
+                                    "phase_cpu_percent": self.phase_cpu,
+                                    "phase_cpu_seconds_by_process": self.phase_cpu_seconds})
+                self.figures, self.details, self.phase_cpu, self.phase_cpu_seconds = {}, {}, {}, {}
+        if self.rounds:
+            chosen = median_rounds([r["figures"] for r in self.rounds])
+            self.figures = combine_rounds([r["figures"] for r in self.rounds])
+            self.details = {n: self.rounds[i]["details"].get(n, {}) for n, i in chosen.items()}
+        self._report()
+
+    def _round(self) -> None:
+        """Every measured phase once, each ceiling just before the mount figures compared with it."""
         self._phase("ceiling.read", self.ceiling_read)
         self._phase("ceiling.read_keep", self.ceiling_read_keep)
         self._phase("ceiling.small_get", self.ceiling_small_get)
@@ -820,7 +885,6 @@ class Bench:
                 self._phase("mount.small_write", self.mount_small_write)
             finally:
                 self._clean_scratch()
-        self._report()
 
     def _phase(self, name: str, fn: Callable[[], None], always: bool = False) -> None:
         if not always and not self.o.wants(name):
@@ -939,7 +1003,7 @@ class Bench:
 
     @contextlib.contextmanager
     def _mount(self, name: str):
-        m = BenchMount(self.work, self.catalog, self.env, name, discard=self.leftovers.add)
+        m = BenchMount(self.work, self.catalog, self.env, name + self.tag, discard=self.leftovers.add)
         try:
             m.start()
             self.mount_pids[m.proc.pid] = "ucfs mount"
@@ -1310,7 +1374,7 @@ class Bench:
         self._figure(f, entries=count, requests=req)
 
     def mount_small_serial(self) -> None:
-        dest = self.work / "copy-serial"
+        dest = self.work / f"copy-serial{self.tag}"
         shutil.rmtree(dest, ignore_errors=True)
         with self._mount("small-serial") as m:
             src = self._vol(m, "data") / self.lay.small_dir
@@ -1327,7 +1391,7 @@ class Bench:
 
     def mount_small_parallel(self) -> None:
         o = self.o
-        dest = self.work / "copy-parallel"
+        dest = self.work / f"copy-parallel{self.tag}"
         shutil.rmtree(dest, ignore_errors=True)
         dest.mkdir()
         per_cp = math.ceil(o.small_files / SMALL_PARALLEL)
@@ -1453,6 +1517,9 @@ class Bench:
             f"{o.listing_entries} listing entries; ceilings: {o.concurrency} x {PART_BYTES // MiB} MiB ranges, "
             f"{SMALL_PARALLEL} threads for small files",
         ]
+        if self.rounds:
+            header.append(f"{len(self.rounds)} rounds: each figure is its median round's, judged on its own; "
+                          "the last column has every round's ratio (or value)")
         print("\n".join(header))
         print()
         print(format_table(figures))
@@ -1476,7 +1543,9 @@ class Bench:
                    "details": self.details,
                    "phase_cpu_percent": self.phase_cpu,
                    "phase_cpu_seconds_by_process": self.phase_cpu_seconds,
-                   "bounds": bounds}
+                   "bounds": bounds, "repeat": o.repeat,
+                   "rounds": [{"figures": {n: asdict(f) for n, f in r["figures"].items()},
+                               **{k: v for k, v in r.items() if k != "figures"}} for r in self.rounds]}
             o.json_path.write_text(json.dumps(doc, indent=2) + "\n")
             say(f"figures written to {o.json_path}")
 
