@@ -46,7 +46,7 @@ import trio
 import xxhash
 
 from . import errors
-from .aiostore import AsyncStore, run_disk
+from .aiostore import AsyncStore, pread_local, run_disk
 from .cache import ObjectVersion, ensure_private_dir
 from .catalog import Volume
 from .config import MiB, MountConfig
@@ -686,7 +686,7 @@ class Committer:
         # file's by the time the read runs.
         self.pin(s)
         try:
-            return await run_disk(os.pread, s.fd, min(size, s.size - off), off)
+            return await pread_local(s.fd, min(size, s.size - off), off)
         finally:
             self.unpin(s)
 
@@ -908,7 +908,7 @@ class Committer:
                     async with s.lock:
                         gen = s.generation
                         size = s.size
-                        data = await run_disk(os.pread, s.fd, size, 0)
+                        data = await pread_local(s.fd, size, 0)
                     if len(data) != size:
                         raise errors.StoreError(errors.EIO, "staging file shorter than recorded",
                                                 transient=True)
