@@ -113,6 +113,11 @@ def _digest(data) -> bytes:
     return xxhash.xxh3_128_digest(data)
 
 
+def _close_and_remove_all(files: list[tuple[int, Path]]) -> None:
+    for fd, path in files:
+        _close_and_remove(fd, path)
+
+
 def _close_and_remove(fd: int, path: Path) -> None:
     """Close a staging file and remove it (blocking: run it in a thread)."""
     try:
@@ -258,6 +263,8 @@ class Committer:
         self._drain_stopped: str | None = None  # why a drain was told to stop, if it was
         self._spares: list[tuple[Path, int]] = []  # (path, fd) of empty staging files made ahead
         self._refilling = False
+        self._removals: list[tuple[int, Path]] = []  # retired staging files: (fd, path) to close and remove
+        self._removing = False
         self._watched: set[Staged] = set()  # files with passthrough writers (`_watch_passthrough`)
         # Parts being put in the cache after their file's commit, all files together: a background
         # nicety, kept to a few parts' worth of memory however many files commit at once.
@@ -375,6 +382,8 @@ class Committer:
                 os.close(s.fd)
             except OSError:
                 pass
+        removals, self._removals = self._removals, []  # retired, their thread trip not yet begun
+        _close_and_remove_all(removals)
         spares, self._spares = self._spares, []
         for path, fd in spares:
             os.close(fd)
@@ -407,15 +416,27 @@ class Committer:
             self._refilling = True
             self._nursery.start_soon(self._refill)
 
+    def _new_spares(self, n: int) -> list[tuple[Path, int]]:
+        """Up to n empty staging files, in one trip to a disk thread (a burst of creates uses many)."""
+        made: list[tuple[Path, int]] = []
+        try:
+            for _ in range(n):
+                made.append(self._new_staging(SPARE_PREFIX))
+        except OSError:
+            if not made:
+                raise
+        return made
+
     async def _refill(self) -> None:
         try:
             while len(self._spares) < SPARE_STAGING_FILES and not self._shutting_down:
-                path, fd = await run_disk(self._new_staging, SPARE_PREFIX)
+                made = await run_disk(self._new_spares, SPARE_STAGING_FILES - len(self._spares))
                 if self._shutting_down:
-                    os.close(fd)
-                    os.unlink(path)
+                    for path, fd in made:
+                        os.close(fd)
+                        os.unlink(path)
                     return
-                self._spares.append((path, fd))
+                self._spares.extend(made)
         except OSError as e:
             log.debug("no spare staging files made: %s", e)  # a create makes its own, or says why not
         finally:
@@ -1353,17 +1374,30 @@ class Committer:
         if s.backing_id is not None:
             self.core.passthrough.close_backing(s.backing_id)
             s.backing_id = None
-        if self._nursery is not None:
+        if self._nursery is not None and not self._shutting_down:
             # Off the event loop: on ext4 the close of a file that was truncated and written again
             # starts its writeback (auto_da_alloc), measured at 100-300 ms on a busy disk, during
             # which every FUSE request would wait. The fd stays ours until the thread closes it.
-            self._nursery.start_soon(run_disk, _close_and_remove, s.fd, s.path)
+            # Files retired meanwhile go in the same trip: 64 small files committed at once would
+            # otherwise cost 64 trips to a thread and back.
+            self._removals.append((s.fd, s.path))
+            if not self._removing:
+                self._removing = True
+                self._nursery.start_soon(self._remove_retired)
         else:
             _close_and_remove(s.fd, s.path)
         if s.rid is not None:
             self.journal.remove_nowait(s.rid)
             s.rid = None
         self.core.inodes.forget(node.ino, 0)  # may drop the inode now that nothing holds it
+
+    async def _remove_retired(self) -> None:
+        try:
+            while self._removals:
+                batch, self._removals = self._removals, []
+                await run_disk(_close_and_remove_all, batch)
+        finally:
+            self._removing = False
 
     # -- status ---------------------------------------------------------------------------------
     def statistics(self) -> dict:

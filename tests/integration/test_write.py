@@ -419,3 +419,29 @@ def test_a_file_written_here_is_in_the_cache_once_committed(mount, s3, bucket, p
     mount.start()
     assert p.read_bytes() == data
     assert mount.store_stats().get("get", 0) == 0
+
+
+def test_committed_files_leave_no_staging_files_behind(mount, s3, bucket, prefix):
+    """Retired staging files are closed and removed in batches; every one goes, at once or at
+    unmount, and the next mount finds nothing to set aside as an orphan."""
+    v = mount.path()
+    staging = mount.state_dir / "staging"
+    payload = {f"s{i:03d}.bin": os.urandom(20_000 + i) for i in range(120)}
+    src = mount.state_dir.parent / "small-src"
+    src.mkdir()
+    for name, data in payload.items():
+        (src / name).write_bytes(data)
+    subprocess.run(["xargs", "-0", "-P", "16", "-n", "8", "cp", "-t", str(v)], check=True,
+                   input=b"\0".join(os.fsencode(src / n) for n in payload))
+    sync_dir(v)  # every file committed
+
+    def written_staging():
+        return [p.name for p in staging.iterdir() if not (p.name.startswith("spare-") and p.stat().st_size == 0)]
+
+    assert wait_until(lambda: not written_staging(), timeout=10), written_staging()
+    assert mount.stop() == 0
+    assert not written_staging()
+    mount.start()
+    assert not (mount.state_dir / "orphans").exists()
+    for name, data in list(payload.items())[::17]:
+        assert obj(s3, bucket, f"{prefix}/vol/{name}") == data
