@@ -21,17 +21,22 @@ def test_cpu_shares_are_percent_of_all_cpu_time_by_kind():
     assert _cpu_shares(None, after) is None and _cpu_shares(before, before) is None
 
 
-def test_a_small_bench_runs_every_phase_and_reports_ratios(s3_endpoint, bucket, prefix, tmp_path):
+def _bench(s3_endpoint, bucket, prefix, tmp_path, *args):
+    """`ucfs bench` against the test server with a work dir under tmp_path: (the run, its JSON)."""
     out = tmp_path / "bench.json"
     r = subprocess.run(
         [sys.executable, "-m", "ucfs", "bench", "--endpoint", s3_endpoint.url,
          "--access-key", s3_endpoint.access_key, "--secret-key", s3_endpoint.secret_key,
          "--region", s3_endpoint.region, "--bucket", bucket, "--prefix", f"{prefix}/bench/",
-         "--size", "24M", "--small-files", "40", "--small-size", "20K", "--listing-entries", "60",
-         "--work-dir", str(tmp_path / "work"), "--json", str(out)],
+         *args, "--work-dir", str(tmp_path / "work"), "--json", str(out)],
         capture_output=True, text=True, cwd=REPO, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    doc = json.loads(out.read_text())
+    return r, json.loads(out.read_text())
+
+
+def test_a_small_bench_runs_every_phase_and_reports_ratios(s3_endpoint, bucket, prefix, tmp_path):
+    r, doc = _bench(s3_endpoint, bucket, prefix, tmp_path, "--size", "24M", "--small-files", "40",
+                    "--small-size", "20K", "--listing-entries", "60")
     figures = doc["figures"]
     for name in ("mount.cold_read", "mount.warm_read", "mount.small_parallel", "mount.write.commit",
                  "mount.small_write.committed"):
@@ -81,18 +86,10 @@ def test_repeat_must_be_positive():
 
 
 def test_repeated_rounds_end_to_end(s3_endpoint, bucket, prefix, tmp_path):
-    out = tmp_path / "bench.json"
-    r = subprocess.run(
-        [sys.executable, "-m", "ucfs", "bench", "--endpoint", s3_endpoint.url,
-         "--access-key", s3_endpoint.access_key, "--secret-key", s3_endpoint.secret_key,
-         "--region", s3_endpoint.region, "--bucket", bucket, "--prefix", f"{prefix}/bench/",
-         "--size", "16M", "--small-files", "20", "--small-size", "10K", "--listing-entries", "30",
-         "--skip", "mount.small_serial,ceiling.write_pair,mount.write,ceiling.put,ceiling.local_write",
-         "--repeat", "2", "--work-dir", str(tmp_path / "work"), "--json", str(out)],
-        capture_output=True, text=True, cwd=REPO, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    r, doc = _bench(s3_endpoint, bucket, prefix, tmp_path, "--size", "16M", "--small-files", "20",
+                    "--small-size", "10K", "--listing-entries", "30", "--repeat", "2",
+                    "--skip", "mount.small_serial,ceiling.write_pair,mount.write,ceiling.put,ceiling.local_write")
     assert r.stderr.count("bench: round ") == 2 and "each round" in r.stdout
-    doc = json.loads(out.read_text())
     assert doc["repeat"] == 2 and len(doc["rounds"]) == 2
     for name in ("mount.cold_read", "mount.small_parallel", "mount.small_write.committed"):
         f = doc["figures"][name]
