@@ -382,7 +382,9 @@ class Committer:
                 os.close(s.fd)
             except OSError:
                 pass
-        removals, self._removals = self._removals, []  # retired, their thread trip not yet begun
+        # Retired, their thread trip not yet begun. Nothing retires after this: every file left is
+        # marked retired above.
+        removals, self._removals = self._removals, []
         _close_and_remove_all(removals)
         spares, self._spares = self._spares, []
         for path, fd in spares:
@@ -1374,7 +1376,7 @@ class Committer:
         if s.backing_id is not None:
             self.core.passthrough.close_backing(s.backing_id)
             s.backing_id = None
-        if self._nursery is not None and not self._shutting_down:
+        if self._nursery is not None:
             # Off the event loop: on ext4 the close of a file that was truncated and written again
             # starts its writeback (auto_da_alloc), measured at 100-300 ms on a busy disk, during
             # which every FUSE request would wait. The fd stays ours until the thread closes it.
