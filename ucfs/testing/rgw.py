@@ -291,7 +291,7 @@ class RGWServer:
     def __init__(self, workdir: str | None = None, *, port: int = 0, objectstore: str = "memstore",
                  memstore_bytes: int = 8 << 30, log_dir: str | None = None,
                  bluestore_bytes: int = 200 << 30, keep: bool | None = None,
-                 ops_log: bool = False, debug: bool | None = None):
+                 ops_log: bool = False, debug: bool | None = None, gc_period_s: int = 60):
         if objectstore not in ("memstore", "bluestore"):
             raise ValueError(f"objectstore must be 'memstore' or 'bluestore', not {objectstore!r}")
         self._given_workdir = workdir
@@ -299,6 +299,10 @@ class RGWServer:
         self.objectstore = objectstore
         self.memstore_bytes = int(memstore_bytes)
         self.bluestore_bytes = int(bluestore_bytes)
+        # How often radosgw's garbage collector frees what deleted objects held. A benchmark sets it
+        # long and calls collect_garbage() between measurements instead: the collector freeing a
+        # deleted GiB in the middle of a measured upload costs the OSD twice that upload's CPU.
+        self.gc_period_s = int(gc_period_s)
         self._given_log_dir = log_dir
         self._keep = keep
         self._ops_log_enabled = ops_log
@@ -567,8 +571,8 @@ class RGWServer:
             # No background index resharding while tests run.
             "rgw dynamic resharding": "false",
             # Reclaim deleted objects' tails within ~2 min, not 2 h (memstore is RAM).
-            "rgw gc obj min wait": "60",
-            "rgw gc processor period": "60",
+            "rgw gc obj min wait": str(min(60, self.gc_period_s)),
+            "rgw gc processor period": str(self.gc_period_s),
         })
         if self._ops_log_enabled:
             rgw.update({
