@@ -367,7 +367,7 @@ def format_table(figures: list[Figure]) -> str:
     return "\n".join(lines + (["notes:"] + notes if notes else []))
 
 
-def median_rounds(rounds: list[dict[str, Figure]]) -> dict[str, str | int]:
+def median_rounds(rounds: list[dict[str, Figure]]) -> dict[str, int]:
     """Which round stands for each figure: the median one, by ratio where the figure has one (value
     otherwise). With an even number of rounds, of the two in the middle the one that is worse for
     the target (the lower for ">=", the higher for "<="), so that repeating never flatters."""
@@ -384,10 +384,11 @@ def median_rounds(rounds: list[dict[str, Figure]]) -> dict[str, str | int]:
     return chosen
 
 
-def combine_rounds(rounds: list[dict[str, Figure]]) -> dict[str, Figure]:
-    """One figure per name: its median round's, carrying every round's ratio (or value)."""
+def combine_rounds(rounds: list[dict[str, Figure]], chosen: dict[str, int] | None = None) -> dict[str, Figure]:
+    """One figure per name: its median round's (`chosen`, else found here), carrying every round's
+    ratio (or value)."""
     out = {}
-    for name, i in median_rounds(rounds).items():
+    for name, i in (chosen or median_rounds(rounds)).items():
         f = rounds[i][name]
         per_round = [(r[name].ratio if f.ratio is not None else r[name].value) for r in rounds if name in r]
         out[name] = replace(f, rounds=per_round)
@@ -809,7 +810,6 @@ class Bench:
         self.measured: Endpoint | None = None  # what ceilings and mounts talk to (the proxy, if any)
         self.work: Path | None = None
         self.temp_work = False  # work dir made by us, removed at the end
-        self.started_rgw = False
         self.rgw = None  # the RGWServer we started, if any
         self.s3 = None  # direct client for setup and checks; never measured
         self.catalog: Path | None = None
@@ -861,7 +861,7 @@ class Bench:
                 self.figures, self.details, self.phase_cpu, self.phase_cpu_seconds = {}, {}, {}, {}
         if self.rounds:
             chosen = median_rounds([r["figures"] for r in self.rounds])
-            self.figures = combine_rounds([r["figures"] for r in self.rounds])
+            self.figures = combine_rounds([r["figures"] for r in self.rounds], chosen)
             self.details = {n: self.rounds[i]["details"].get(n, {}) for n, i in chosen.items()}
         self._report()
 
@@ -979,7 +979,6 @@ class Bench:
         except Exception as e:  # noqa: BLE001 - RGWError, OSError...: one line for the user
             raise BenchError(f"could not start a local RGW: {e}") from None
         self.stack.callback(server.stop)
-        self.started_rgw = True
         self.rgw = server
         say(f"RGW ready at {ep.url}")
         return Endpoint(ep.url, ep.access_key, ep.secret_key, ep.region)
@@ -1520,7 +1519,7 @@ class Bench:
                  "mount.write.commit", "ceiling.small_put", "mount.small_write.closed",
                  "mount.small_write.committed"]
         figures = [self.figures[n] for n in order if n in self.figures]
-        where = f"{self.direct.url}" + (" (RGW started by the bench)" if self.started_rgw else "")
+        where = f"{self.direct.url}" + (" (RGW started by the bench)" if self.rgw is not None else "")
         latency = "none added" if o.latency_ms is None else f"+{o.latency_ms:g} ms per round trip (proxy)"
         header = [
             f"ucfs bench (ucfs {__version__}) on {os.uname().nodename}: {os.cpu_count()} CPUs, load average "
@@ -1547,7 +1546,7 @@ class Bench:
             doc = {"ucfs_version": __version__, "host": {"nodename": os.uname().nodename, "nproc": os.cpu_count(),
                                                          "loadavg_start": self.loadavg_start,
                                                          "loadavg_end": load_end},
-                   "store": {"endpoint": self.direct.url, "started_rgw": self.started_rgw, "bucket": o.bucket,
+                   "store": {"endpoint": self.direct.url, "started_rgw": self.rgw is not None, "bucket": o.bucket,
                              "prefix": o.prefix, "latency_ms": o.latency_ms},
                    "workload": {"size_bytes": o.size, "small_files": o.small_files,
                                 "small_size_bytes": o.small_size, "listing_entries": o.listing_entries,
