@@ -651,6 +651,26 @@ class BenchMount:
                                  f"{c.get('committed')} committed")
             time.sleep(0.01)
 
+    def log_end(self) -> int:
+        """Where the log ends now, for `notable_since`."""
+        try:
+            return self.log_path.stat().st_size
+        except OSError:
+            return 0
+
+    def notable_since(self, offset: int, limit: int = 5) -> list[str]:
+        """The daemon's warnings, errors and notes of wasted work (a stream upload abandoned, a
+        commit that could not finish at once) logged after `offset`: what explains an odd figure."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(offset)
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            return []
+        notable = [ln for ln in lines
+                   if " WARNING " in ln or " ERROR " in ln or "abandoned" in ln or "did not work" in ln]
+        return notable[:limit] + ([f"... and {len(notable) - limit} more"] if len(notable) > limit else [])
+
     def log_tail(self, n: int = 20) -> str:
         try:
             lines = self.log_path.read_text(errors="replace").splitlines()[-n:]
@@ -720,16 +740,26 @@ def _run_timed(cmd: list[str], what: str, *, input: bytes | None = None, mount: 
     return dt, res.stdout or b""
 
 
+# Store counters that are not requests: every other counter names one kind of logical request.
+_NOT_REQUESTS = ("attempts", "errors", "not_found", "body_retries")
+_REQUEST_ORDER = ("get", "head", "list", "put", "create_multipart", "upload_part", "complete_multipart",
+                  "abort_multipart", "copy", "delete")
+
+
 def _request_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
-    keys = ("get", "head", "list", "put", "create_multipart", "upload_part", "complete_multipart", "copy",
-            "delete", "errors", "attempts", "get_bytes", "put_bytes")
-    return {k: after.get(k, 0) - before.get(k, 0) for k in keys if after.get(k, 0) - before.get(k, 0)}
+    """What the counters grew by, requests in a fixed order first."""
+    keys = [k for k in _REQUEST_ORDER if k in after] + sorted(k for k in after if k not in _REQUEST_ORDER)
+    return {k: after[k] - before.get(k, 0) for k in keys if after[k] - before.get(k, 0)}
 
 
 def _fmt_requests(d: dict[str, int]) -> str:
-    shown = [f"{k} {v}" for k, v in d.items() if not k.endswith("_bytes") and k != "attempts"]
-    retries = d.get("attempts", 0) - sum(v for k, v in d.items()
-                                         if not k.endswith("_bytes") and k not in ("attempts", "errors"))
+    """Requests by kind, then the errors and retries among their attempts. Every kind counts,
+    whether listed in _REQUEST_ORDER or not, so a request of a new kind is never shown as a retry."""
+    requests = {k: v for k, v in d.items() if not k.endswith("_bytes") and k not in _NOT_REQUESTS}
+    shown = [f"{k} {v}" for k, v in requests.items()]
+    if d.get("errors"):
+        shown.append(f"errors {d['errors']}")
+    retries = d.get("attempts", 0) - sum(requests.values())
     if retries > 0:
         shown.append(f"retries {retries}")
     return ", ".join(shown) or "none"
@@ -1439,6 +1469,7 @@ class Bench:
             c0 = (m.status().get("commits") or {}).get("committed", 0)
             r0 = m.requests()
             say(f"mount.write: dd of {_fmt_bytes(o.size)} into the mount, then waiting for the commit")
+            log_at = m.log_end()
             t0 = time.monotonic()
             dt_close, _ = _run_timed(["dd", f"if={self.src_large}", f"of={target}", "bs=1M"], "mount.write",
                                      mount=m)
@@ -1450,6 +1481,8 @@ class Bench:
                    else "close() synced the staging file")
             how += ("; written in passthrough mode, past the daemon" if (st.get("core") or {}).get("passthrough_opens")
                     else "; every write through the daemon")
+            for line in m.notable_since(log_at):
+                say(f"mount.write: the mount logged: {line}")
         key = self.lay.scratch + "written.bin"
         got = int(self.s3.head_object(Bucket=o.bucket, Key=key)["ContentLength"])
         if got != o.size:

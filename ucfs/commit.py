@@ -869,7 +869,8 @@ class Committer:
                     continue
                 try:
                     await self._commit(s)
-                except _Changed:
+                except _Changed as e:
+                    log.debug("commit of %s starts again: %s", s.node.mount_path(), e)
                     self.stats["restarted"] += 1
                     self._enqueue(s)
                 except errors.StoreError as e:
@@ -946,7 +947,7 @@ class Committer:
             # A parent directory was renamed (or the file unlinked) while we uploaded: the object we
             # just made sits under the old name. Take it away again; the file commits anew if live.
             await store.delete(vol.bucket, key)
-            raise _Changed()
+            raise _Changed("renamed or unlinked while it was uploaded")
         node.etag = info.etag
         node.size = s.size if info.size < 0 else info.size
         node.mtime_ns = time.time_ns()
@@ -1029,7 +1030,7 @@ class Committer:
         async def read(fn, *args):
             async with lock:
                 if gen is not None and s.generation != gen:
-                    raise _Changed()
+                    raise _Changed("written while its parts were read")
                 return await run_disk(fn, *args) if fn is not None else None
 
         if not in_memory and store.sends_files:
@@ -1091,7 +1092,7 @@ class Committer:
                 raise _representative(group) from None
             async with s.lock:
                 if s.generation != gen:
-                    raise _Changed()
+                    raise _Changed("written while its parts were uploaded")
             info = await store.complete_multipart(vol.bucket, key, upload_id, sorted(parts.items()))
             self.journal.remove_upload_nowait(upload_id)
             self.stats["multipart"] += 1
@@ -1247,7 +1248,7 @@ class Committer:
                     st.checked.add(n)
                     return
                 if len(data) != length:
-                    raise _Changed()  # the file shrank under the part: commit it whole
+                    raise _Changed(f"the file shrank under part {n} of its stream")
                 st.parts[n] = await self._upload_part_retrying(store, vol, st, n, data, length)
                 st.checked.add(n)
                 resent += 1
@@ -1271,7 +1272,11 @@ class Committer:
         if not st.valid:
             return
         st.valid = False
-        log.debug("stream upload of %s abandoned: %s", s.node.mount_path(), why)
+        # Parts already sent are wasted, and a file that streamed may now finish later than its
+        # close: worth a line in the log. Before any part, it costs nothing.
+        sent = st.next_part - 1
+        log.log(logging.INFO if sent else logging.DEBUG, "stream upload of %s abandoned after %d part(s), "
+                "%d bytes: %s", s.node.mount_path(), sent, st.next_off, why)
         self.stats["streams_abandoned"] += 1
         if self._nursery is not None:
             self._nursery.start_soon(self._abort_stream, s.volume, st)
@@ -1293,7 +1298,7 @@ class Committer:
         vol = s.volume
         async with s.lock:
             if s.stream is not st or not st.valid or st.upload_id is None:
-                raise _Changed()
+                raise _Changed("its stream was abandoned or never created")
             s.stream = None  # no part joins this upload any more
             gen, size = s.generation, s.size
             tail = size - st.next_off
@@ -1310,7 +1315,8 @@ class Committer:
                     raise _representative(group) from None
             await st.idle.wait()
             if st.error is not None or not st.valid:
-                raise _Changed()
+                raise _Changed(f"its stream failed: {st.error}" if st.error is not None
+                               else "its stream was abandoned")
             if st.verify:
                 await self._verify_stream(s, st, store)
             if tail > 0:

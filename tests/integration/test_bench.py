@@ -7,7 +7,8 @@ import json
 import subprocess
 import sys
 
-from ucfs.bench import Figure, _cpu_shares, combine_rounds, format_table, median_rounds
+from ucfs.bench import (BenchMount, Figure, _cpu_shares, _fmt_requests, _request_delta, combine_rounds,
+                        format_table, median_rounds)
 
 from tests.support import REPO
 
@@ -77,6 +78,33 @@ def test_repeated_rounds_are_judged_by_their_median_round():
     assert median_rounds(rounds[:2]) == {"cold": 1, "close": 1, "dd": 0}
     table = format_table(list(combined.values()))
     assert "each round" in table and "0.90 0.60 0.70" in table
+
+
+def test_request_counts_tell_retries_from_requests_of_any_kind():
+    before = {"get": 1, "attempts": 1}
+    after = {"get": 1, "create_multipart": 2, "upload_part": 255, "complete_multipart": 1, "abort_multipart": 1,
+             "list_multipart": 1, "put_bytes": 9, "attempts": 262}
+    d = _request_delta(before, after)
+    # An abort (or any kind the bench does not list by name) is a request, not a retry.
+    assert _fmt_requests(d) == ("create_multipart 2, upload_part 255, complete_multipart 1, abort_multipart 1, "
+                                "list_multipart 1, retries 1")
+    assert _fmt_requests({"get": 3, "errors": 1, "attempts": 4}) == "get 3, errors 1, retries 1"
+    assert _fmt_requests({}) == "none"
+
+
+def test_the_mount_log_lines_that_explain_a_figure(tmp_path):
+    m = BenchMount(tmp_path, tmp_path / "catalog.toml", {}, "t")
+    m.log_path.write_text("2026-11-30 10:00:00,000 INFO ucfs: ready\n")
+    at = m.log_end()
+    with open(m.log_path, "a") as f:
+        f.write("2026-11-30 10:00:01,000 DEBUG ucfs.commit: committed /x\n"
+                "2026-11-30 10:00:02,000 INFO ucfs.commit: stream upload of /x abandoned after 3 part(s)\n"
+                "2026-11-30 10:00:03,000 WARNING ucfs.store: PUT x: timed out; retrying\n")
+    assert m.notable_since(at) == ["2026-11-30 10:00:02,000 INFO ucfs.commit: stream upload of /x abandoned after "
+                                   "3 part(s)", "2026-11-30 10:00:03,000 WARNING ucfs.store: PUT x: timed out; "
+                                   "retrying"]
+    assert m.notable_since(at, limit=1)[1] == "... and 1 more"
+    assert m.notable_since(m.log_end()) == []
 
 
 def test_repeat_must_be_positive():
