@@ -39,7 +39,6 @@ import contextlib
 import json
 import logging
 import math
-import mmap
 import os
 import shutil
 import signal
@@ -57,6 +56,7 @@ from typing import Callable, Iterable
 from . import __version__, control
 from .config import MiB, MountConfig, parse_size
 from .errors import UcfsError
+from .prefetch import anonymous_buffer
 
 log = logging.getLogger(__name__)
 
@@ -1193,7 +1193,8 @@ class Bench:
                     return
                 buf = getattr(buffers, "buf", None)
                 if buf is None:
-                    buf = buffers.buf = mmap.mmap(-1, PART_BYTES)  # page-aligned, as O_DIRECT wants
+                    # Page-aligned, as O_DIRECT wants, and huge-paged like the mount's own part buffers.
+                    buf = buffers.buf = anonymous_buffer(PART_BYTES)
                 buf[:len(data)] = data
                 n = -(-len(data) // 4096) * 4096  # a short last part is padded to whole blocks
                 with memoryview(buf) as view:

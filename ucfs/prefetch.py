@@ -29,6 +29,7 @@ read someone waits for may take any of them at once, the furthest ahead first.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import mmap
 import time
@@ -176,6 +177,19 @@ class MemoryBudget:
         return reader._drop(index)
 
 
+def anonymous_buffer(n: int) -> mmap.mmap:
+    """n bytes of page-aligned private memory, in huge pages where the kernel has them to give.
+
+    Each part is pinned page by page twice: by the O_DIRECT write into the disk cache and by the
+    kernel copying FUSE replies out of it. On 4 KiB pages that pinning was 9 % of a cold read's
+    CPU; a 2 MiB page is pinned in one step. (Python's default anonymous map is shared memory,
+    which gets no huge pages unless the administrator enabled them for shmem.)"""
+    buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(AttributeError, OSError):  # no THP in this kernel or this Python
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    return buf
+
+
 class BufferPool:
     """Part-sized, page-aligned buffers for ranged GETs, reused rather than allocated per request.
 
@@ -200,7 +214,7 @@ class BufferPool:
         if self._free:
             self.reused += 1
             return self._free.pop()
-        return mmap.mmap(-1, self.buffer_bytes)
+        return anonymous_buffer(self.buffer_bytes)
 
     def release(self, buf: mmap.mmap) -> None:
         try:
