@@ -1059,7 +1059,7 @@ class Committer:
             return
         budget, pool = self.core.budget, self.core.pool
         await budget.reserve(length)
-        buf = pool.acquire(length)
+        buf = await pool.acquire(length)
         whole = data = None
         try:
             if buf is None:

@@ -324,23 +324,33 @@ def test_part_buffers_are_private_aligned_and_reusable():
     import ctypes
     import mmap
 
-    budget = MemoryBudget(64 * MiB)
-    pool = prefetch.BufferPool(8 * MiB, budget)
-    buf = pool.acquire(8 * MiB)
-    assert len(buf) == 8 * MiB
-    buf[:4] = b"abcd"
-    buf[-4:] = b"wxyz"
-    # Page-aligned, as O_DIRECT writes from it want.
-    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-    assert addr % mmap.PAGESIZE == 0
-    # Private memory, not shared: a forked child's writes are its own (huge pages need this).
-    pid = os.fork()
-    if pid == 0:
-        buf[:4] = b"CHLD"
-        os._exit(0 if buf[:4] == b"CHLD" else 1)
-    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
-    assert buf[:4] == b"abcd"
-    pool.release(buf)
-    assert pool.acquire(8 * MiB) is buf and pool.reused == 1
-    # Too small for a part buffer: the caller reads into a bytes object instead.
-    assert pool.acquire(1 * MiB) is None
+    async def main():
+        budget = MemoryBudget(64 * MiB)
+        pool = prefetch.BufferPool(8 * MiB, budget)
+        buf = await pool.acquire(8 * MiB)
+        assert len(buf) == 8 * MiB
+        buf[:4] = b"abcd"
+        buf[-4:] = b"wxyz"
+        # Page-aligned, as O_DIRECT writes from it want.
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+        assert addr % mmap.PAGESIZE == 0
+        # Private memory, not shared: a forked child's writes are its own (huge pages need this).
+        pid = os.fork()
+        if pid == 0:
+            buf[:4] = b"CHLD"
+            os._exit(0 if buf[:4] == b"CHLD" else 1)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        assert buf[:4] == b"abcd"
+        pool.release(buf)
+        assert await pool.acquire(8 * MiB) is buf and pool.reused == 1
+        # A buffer someone still views is never handed out again; once the view is gone, it is.
+        view = memoryview(buf)[100:200]
+        pool.release(buf)
+        assert pool.discarded == 1 and await pool.acquire(8 * MiB) is not buf
+        view.release()
+        pool.release(buf)
+        assert await pool.acquire(8 * MiB) is buf
+        # Too small for a part buffer: the caller reads into a bytes object instead.
+        assert await pool.acquire(1 * MiB) is None
+
+    trio.run(main)
