@@ -34,6 +34,7 @@ import queue
 import select
 import socket
 import ssl
+import struct
 import urllib.parse
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
@@ -186,6 +187,8 @@ class LeanClient:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 if self._ssl is not None:
                     sock = self._ssl.wrap_socket(sock, server_hostname=host)
+                else:
+                    _kernel_timeouts(sock, self.timeout_s)
             except BaseException:
                 sock.close()
                 raise
@@ -283,6 +286,9 @@ class LeanClient:
         except HTTPFailure:
             conn.close()
             raise
+        except BlockingIOError:
+            conn.close()  # a blocking socket's kernel timeout (_kernel_timeouts)
+            raise HTTPFailure("TimeoutError: timed out", timed_out=True) from None
         except OSError as e:
             conn.close()
             raise HTTPFailure(f"{type(e).__name__}: {e}", timed_out=isinstance(e, TimeoutError)) from None
@@ -309,6 +315,20 @@ _MAX_HEAD_BYTES = 64 * 1024
 # is a fresh bytes object: at 64 KiB, 64 connections' worth of them pushed the daemon's peak RSS in
 # the resource test up by ~20 MiB (heap fragmentation), to its bound.
 _RECV_BYTES = 8 * 1024
+
+
+def _kernel_timeouts(sock: socket.socket, timeout_s: float) -> None:
+    """Make a plain socket blocking, with its timeout kept by the kernel (SO_RCVTIMEO and
+    SO_SNDTIMEO) rather than by Python. Python keeps a timeout by making the socket non-blocking
+    and calling poll() before every recv and send: two system calls per read, each a release and
+    a retake of the GIL, which sixteen threads receiving parts contend for. Blocking, a body is
+    received by one recv with MSG_WAITALL. A call that times out fails with EAGAIN
+    (BlockingIOError), after the bytes it got in time, if any."""
+    usec = max(1, round(timeout_s * 1e6))
+    tv = struct.pack("@ll", usec // 1_000_000, usec % 1_000_000)  # struct timeval
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+    sock.settimeout(None)
 
 
 def _readable(sock: socket.socket) -> bool:
@@ -338,11 +358,13 @@ def _will_close(version: str, headers: dict[str, str]) -> bool:
 class _Connection:
     """One keep-alive connection: its socket and the bytes received past what was consumed."""
 
-    __slots__ = ("sock", "pending")
+    __slots__ = ("sock", "pending", "waitall")
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.pending = b""
+        # A blocking plain socket takes a whole body in one recv (TLS sockets take no flags).
+        self.waitall = socket.MSG_WAITALL if sock.gettimeout() is None and not isinstance(sock, ssl.SSLSocket) else 0
 
     def close(self) -> None:
         try:
@@ -390,7 +412,7 @@ class _Connection:
             self.pending = self.pending[have:]
         got = have
         while got < n:
-            k = self.sock.recv_into(view[got:])
+            k = self.sock.recv_into(view[got:], 0, self.waitall)
             if not k:
                 raise HTTPFailure(f"connection closed after {got} of {n} body bytes")
             got += k
@@ -443,8 +465,9 @@ def read_file_body(body: FileBody) -> bytes:
 
 
 def _send_file(sock: socket.socket, body: FileBody) -> None:
-    """sendfile(2) the whole range. The socket has a timeout, so it is non-blocking underneath:
-    wait for room with poll, up to that timeout each time."""
+    """sendfile(2) the whole range. A blocking socket (`_kernel_timeouts`) waits for room in the
+    kernel, and EAGAIN means its send timeout passed. A socket with a Python timeout is
+    non-blocking underneath: wait for room with poll, up to that timeout each time."""
     off, end = body.offset, body.offset + body.length
     timeout = sock.gettimeout()
     poller = select.poll()
@@ -453,7 +476,7 @@ def _send_file(sock: socket.socket, body: FileBody) -> None:
         try:
             n = os.sendfile(sock.fileno(), body.fd, off, end - off)
         except BlockingIOError:
-            if not poller.poll(None if timeout is None else timeout * 1000):
+            if timeout is None or not poller.poll(timeout * 1000):
                 raise TimeoutError("timed out sending the request body") from None
             continue
         if n == 0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import http.server
 import os
+import socket
 import threading
 import time
 
@@ -218,7 +219,6 @@ class _Scripted:
     sent as they are, in the pieces given), and notes which connection each request came on."""
 
     def __init__(self, responses: list[list[bytes] | bytes]):
-        import socket
 
         self.responses = list(responses)
         self.requests: list[tuple[int, bytes]] = []  # (connection number, request head + body)
@@ -370,3 +370,31 @@ def test_idle_connections_are_checked_past_descriptor_1024(put_sink, tmp_path):
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.parametrize("sent", [b"", b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + b"x" * 40])
+def test_a_server_that_goes_silent_times_the_request_out(sent):
+    """Plain sockets block with the timeout kept by the kernel (SO_RCVTIMEO), and take a body in
+    one recv: silence before the head or in the middle of the body must still end the request."""
+    from ucfs.s3http import HTTPFailure
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    held = []
+
+    def serve():
+        conn, _ = srv.accept()
+        held.append(conn)
+        conn.recv(65536)
+        conn.sendall(sent)  # and then nothing, with the connection left open
+
+    threading.Thread(target=serve, daemon=True).start()
+    c = LeanClient(f"http://127.0.0.1:{srv.getsockname()[1]}", region="us-east-1", path_style=True,
+                   credentials=lambda: Credentials("AK", "SK"), pool_size=2, timeout_s=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(HTTPFailure) as info:
+        c.request("GET", "b", "k")
+    assert info.value.timed_out and 0.4 < time.monotonic() - t0 < 5
+    c.close()
+    for conn in held:
+        conn.close()
+    srv.close()
