@@ -654,6 +654,8 @@ class Committer:
         120-140 ms while a 1 GiB file was written."""
         if not s.appends_only or s.size <= s.filled or s.retired:
             return
+        if s.stream is None and s.size < STREAM_START_BYTES:
+            return  # nothing to decide yet; a thread trip (40-80 µs of CPU) per small file is waste
         size, filled = s.size, s.filled
         self.pin(s)  # the staging file stays open while the thread looks at it
         try:
