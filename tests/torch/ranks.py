@@ -53,7 +53,8 @@ def mount_gets(mountpoint: str) -> int:
 def dataset_epochs(rank, world, port, root, cache_dir, mountpoint, out_dir):
     """2 ranks x 2 workers: two shuffled epochs, GETs counted around each; a rerun; pad and drop."""
     init_dist(rank, world, port)
-    ds = UCVolumeDataset(root, pattern="*.bin", recursive=False, shuffle=True, seed=1234, cache_dir=cache_dir)
+    ds = UCVolumeDataset(root, pattern="*.bin", recursive=False, shuffle=True, seed=1234,
+                         cache_dir=cache_dir, free_floor_bytes=0)
     loader = DataLoader(ds, batch_size=3, num_workers=2)
     out = {"epochs": [], "gets": [], "lens": []}
     for epoch in range(2):
@@ -66,12 +67,13 @@ def dataset_epochs(rank, world, port, root, cache_dir, mountpoint, out_dir):
         dist.barrier()  # both ranks done: every GET of this epoch has been made
         out["gets"].append(mount_gets(mountpoint) - before)
     # A rerun with the same seed (a fresh dataset, as a new job builds it) sees the same order.
-    again = UCVolumeDataset(root, pattern="*.bin", recursive=False, shuffle=True, seed=1234, cache_dir=cache_dir)
+    again = UCVolumeDataset(root, pattern="*.bin", recursive=False, shuffle=True, seed=1234,
+                            cache_dir=cache_dir, free_floor_bytes=0)
     out["rerun_epoch0"] = [sample_name(p) for batch in DataLoader(again, batch_size=3, num_workers=2)
                            for p in batch]
     # 41 files over 2 ranks: padded to 21 each, or cut to 20 each.
     for drop_last in (False, True):
-        odd = UCVolumeDataset(root, pattern="*.bin", drop_last=drop_last, cache_dir=cache_dir)
+        odd = UCVolumeDataset(root, pattern="*.bin", drop_last=drop_last, cache_dir=cache_dir, free_floor_bytes=0)
         out[f"odd_drop_last_{drop_last}"] = [sample_name(p) for batch in DataLoader(odd, batch_size=4, num_workers=2)
                                              for p in batch]
     write_json(Path(out_dir) / f"rank{rank}.json", out)
@@ -81,7 +83,8 @@ def dataset_epochs(rank, world, port, root, cache_dir, mountpoint, out_dir):
 
 def resume_phase1(rank, world, port, root, cache_dir, out_dir, workers, batches):
     """Consume `batches` batches of epoch 1, save the loader's state, and die (SIGKILL) at once."""
-    ds = UCVolumeDataset(root, pattern="*.bin", recursive=False, shuffle=True, seed=99, cache_dir=cache_dir)
+    ds = UCVolumeDataset(root, pattern="*.bin", recursive=False, shuffle=True, seed=99,
+                         cache_dir=cache_dir, free_floor_bytes=0)
     loader = DataLoader(ds, batch_size=3, num_workers=workers)
     ds.set_epoch(1)
     it = iter(loader)
@@ -98,7 +101,8 @@ def resume_phase2(rank, world, port, root, cache_dir, out_dir, workers):
     """A new process: load the state and finish the epoch."""
     with open(Path(out_dir) / "phase1.json") as f:
         state = json.load(f)["state"]
-    ds = UCVolumeDataset(root, pattern="*.bin", recursive=False, shuffle=True, seed=99, cache_dir=cache_dir)
+    ds = UCVolumeDataset(root, pattern="*.bin", recursive=False, shuffle=True, seed=99,
+                         cache_dir=cache_dir, free_floor_bytes=0)
     loader = DataLoader(ds, batch_size=3, num_workers=workers)
     loader.load_state_dict(state)
     ds.set_epoch(1)

@@ -111,7 +111,7 @@ class Decoded(torch.utils.data.IterableDataset):
 
 
 def test_a_decoding_dataset_wrapping_the_path_dataset(mount, samples, tmp_path, s3, bucket, prefix):
-    ds = UCVolumeDataset(mount.path() / "data", pattern="s*.bin", cache_dir=tmp_path / "cache")
+    ds = UCVolumeDataset(mount.path() / "data", pattern="s*.bin", cache_dir=tmp_path / "cache", free_floor_bytes=0)
     loader = DataLoader(Decoded(ds), batch_size=8, num_workers=2)
     ids, first_bytes = [], {}
     for idx, data in loader:
@@ -129,16 +129,17 @@ def test_a_decoding_dataset_wrapping_the_path_dataset(mount, samples, tmp_path, 
 def test_a_changed_file_is_fetched_again_and_the_cache_survives_a_new_run(mount, samples, tmp_path, s3, bucket,
                                                                           prefix):
     cache = tmp_path / "cache"
-    first = UCVolumeDataset(mount.path() / "data", pattern="s00*.bin", cache_dir=cache, io_threads=0)
+    first = UCVolumeDataset(mount.path() / "data", pattern="s00*.bin",
+                            cache_dir=cache, free_floor_bytes=0, io_threads=0)
     assert [sample_name(p) for p in first] == [f"s00{i}.bin" for i in range(10)]
     gets = mount.store_stats()["get"]
     # A new run (new dataset object) over unchanged files: all hits, nothing read from the store.
-    second = UCVolumeDataset(mount.path() / "data", pattern="s00*.bin", cache_dir=cache)
+    second = UCVolumeDataset(mount.path() / "data", pattern="s00*.bin", cache_dir=cache, free_floor_bytes=0)
     assert len(list(second)) == 10 and second.statistics()["hits"] == 10
     assert mount.store_stats()["get"] == gets
     # Another writer replaces a file in the store: once the mount shows it, the cache misses.
     s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/data/s003.bin", Body=b"s003.bin\nv2")
     time.sleep(1.5)  # the mount's metadata TTL
-    third = UCVolumeDataset(mount.path() / "data", pattern="s00*.bin", cache_dir=cache)
+    third = UCVolumeDataset(mount.path() / "data", pattern="s00*.bin", cache_dir=cache, free_floor_bytes=0)
     paths = list(third)
     assert third.statistics()["misses"] == 1 and open(paths[3], "rb").read() == b"s003.bin\nv2"

@@ -60,7 +60,7 @@ def test_the_mount_describes_its_volumes_without_credentials(mount, s3_endpoint,
 
 
 def test_direct_fills_bypass_the_daemon_and_match_the_store(mount, samples, credentials, tmp_path, rgw):
-    ds = UCVolumeDataset(mount.path() / "data", cache_dir=tmp_path / "cache", direct=True)
+    ds = UCVolumeDataset(mount.path() / "data", cache_dir=tmp_path / "cache", free_floor_bytes=0, direct=True)
     mount_gets, before = mount.store_stats().get("get", 0), server_gets(rgw)
     loader = DataLoader(ds, batch_size=4, num_workers=2)
     got = [p for batch in loader for p in batch]
@@ -89,7 +89,7 @@ def test_versions_the_store_does_not_hold_are_copied_through_the_mount(mount, sa
     local = b"s001.bin\nwritten through the mount on this host"
     with open(data / "s001.bin", "wb") as f:  # staged here; the store may not have it yet
         f.write(local)
-    ds = UCVolumeDataset(data, cache_dir=tmp_path / "cache", direct=True, io_threads=0)
+    ds = UCVolumeDataset(data, cache_dir=tmp_path / "cache", free_floor_bytes=0, direct=True, io_threads=0)
     listed = {os.path.basename(p) for p in ds.files}
     assert listed == set(samples)
     # Changed in the store after the listing: what the GET returns is not the listed version.
@@ -115,7 +115,8 @@ def test_without_credentials_every_file_comes_through_the_mount(mount, samples, 
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    ds = UCVolumeDataset(mount.path() / "data", cache_dir=tmp_path / "cache", direct=True, io_threads=0)
+    ds = UCVolumeDataset(mount.path() / "data",
+                         cache_dir=tmp_path / "cache", free_floor_bytes=0, direct=True, io_threads=0)
     gets = mount.store_stats().get("get", 0)
     with caplog.at_level(logging.WARNING, logger="torchio._direct"):
         names = [sample_name(p) for p in ds]

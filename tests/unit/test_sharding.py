@@ -109,6 +109,9 @@ def names(paths) -> list[str]:
 
 def make(tree, tmp_path, **kw) -> UCVolumeDataset:
     kw.setdefault("pattern", "*.bin")
+    # No free-space floor: these tests are about caching, and the default floor (8 GiB) would make
+    # them fail on a host with less free disk (the floor has a test of its own, with FileCache).
+    kw.setdefault("free_floor_bytes", 0)
     return UCVolumeDataset(tree, cache_dir=tmp_path / "cache", **kw)
 
 
