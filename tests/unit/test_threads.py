@@ -106,3 +106,33 @@ def test_a_forked_child_starts_with_an_empty_pool():
             os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_threads_that_log_leave_no_thread_records_behind(tmp_path, monkeypatch):
+    """Pool threads start with _thread (no wait on the event loop); the daemon's logging set-up
+    must not make each of them a threading._DummyThread that outlives it."""
+    import logging
+
+    from ucfs.cli import _setup_logging
+
+    root = logging.getLogger()
+    # All restored afterwards: the set-up changes the process's logging.
+    monkeypatch.setattr(root, "handlers", list(root.handlers))
+    monkeypatch.setattr(root, "level", root.level)
+    monkeypatch.setattr(logging, "logThreads", logging.logThreads)
+    _setup_logging("info", tmp_path / "ucfs.log")
+    before = len(threading._active)
+    pool = ThreadPool("t", 16, idle_timeout_s=0.05)
+
+    async def main():
+        for _ in range(5):  # threads come and go between bursts
+            async with trio.open_nursery() as nursery:
+                for i in range(32):
+                    nursery.start_soon(pool.run, logging.getLogger("ucfs.test").info, "job %d", i)
+            await trio.sleep(0.2)
+
+    trio.run(main)
+    for handler in root.handlers:
+        handler.close()
+    assert "job 31" in (tmp_path / "ucfs.log").read_text()
+    assert len(threading._active) <= before  # (threads of earlier tests may have ended meanwhile)
