@@ -228,10 +228,9 @@ class BufferPool:
             self.reused += 1
             return self._free.pop()
         # In a thread: mmap and madvise take the process's memory-map lock for writing, and wait
-        # for whatever holds it, such as a page fault of another thread that compacts memory for a
-        # huge page. In the bench's 1 GiB write the event loop stalled for 110-160 ms once a run
-        # (caught in madvise) while other threads read parts into fresh buffers, and every FUSE
-        # request waited meanwhile.
+        # for whatever holds it (another thread's page faults or page pinning, say). In the bench's
+        # 1 GiB write the event loop stalled for 110-160 ms once a run (caught in madvise) while
+        # other threads read parts into fresh buffers, and every FUSE request waited meanwhile.
         return await run_disk(anonymous_buffer, self.buffer_bytes)
 
     def release(self, buf: mmap.mmap) -> None:
