@@ -641,6 +641,14 @@ class Committer:
             raise errors.fs_error(errors.EFBIG, "larger than the store's largest object (5 TiB); "
                                                 "truncate it to commit it")
 
+    async def _take_unseen_writes(self, s: Staged) -> None:
+        """Before a flush or fsync of a file passthrough writers write: what they wrote so far, which
+        we did not see, counts as a change (a new generation) of known size and shape."""
+        self.observe(s)
+        s.generation += 1
+        self._check_size(s)
+        await self._probe_appends(s)
+
     async def _probe_appends(self, s: Staged) -> None:
         """Whether a passthrough writer still writes front to back, as far as we can tell: a hole
         below the end means it wrote further on first. Then the file is not streamed, as write()
@@ -745,10 +753,7 @@ class Committer:
         if s.dropped:
             return
         if unseen:
-            self.observe(s)
-            s.generation += 1
-            self._check_size(s)
-            await self._probe_appends(s)
+            await self._take_unseen_writes(s)
         async with s.flush_lock:
             if s.generation > s.flushed_generation and s.dirty and not s.dropped:
                 gen = s.generation
@@ -777,10 +782,7 @@ class Committer:
         self.pin(s)  # fsync of a directory holds no handle of the file
         try:
             if s.pt_writers:
-                self.observe(s)
-                s.generation += 1  # what passthrough writers wrote so far, unseen
-                self._check_size(s)
-                await self._probe_appends(s)
+                await self._take_unseen_writes(s)
             if s.dirty and not s.dropped:
                 # The caller waits for the store anyway: commit now, and skip the local sync and the
                 # journal record, which only matter while the file waits for a worker.
