@@ -342,10 +342,18 @@ def test_cache_recounts_usage_after_drift(tmp_path):
 def _fill_many(root: str, paths: list[tuple[str, int, int]], q) -> None:
     cache = FileCache(root, capacity_bytes=40 * 4096, free_floor_bytes=0, protect_s=0)
     for p in paths:
-        got = cache.get(SourceFile(*p))
-        with open(got.path, "rb") as f:
-            if f.read() != open(p[0], "rb").read():
-                q.put("corrupt")
+        while True:
+            got = cache.get(SourceFile(*p))
+            try:
+                f = open(got.path, "rb")
+            except FileNotFoundError:
+                # protect_s=0 promises nothing: on a loaded host another process evicted the file
+                # between get() and open(). Ask again, as a consumer without protection must.
+                continue
+            with f:
+                if f.read() != open(p[0], "rb").read():
+                    q.put("corrupt")
+            break
     q.put("ok")
 
 
