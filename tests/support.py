@@ -128,11 +128,11 @@ class Mount:
                 raise RuntimeError(f"ucfs mount exited with {self.proc.returncode}:\n{self.log_tail()}")
             if os.path.ismount(self.mountpoint):
                 try:
-                    self.status()
-                    return self
+                    if self.status().get("ready"):
+                        return self
                 except (OSError, UcfsError):
                     pass
-            time.sleep(0.05)
+            time.sleep(0.01)
         raise RuntimeError(f"ucfs mount not ready after {timeout} s:\n{self.log_tail()}")
 
     def _limits(self) -> None:

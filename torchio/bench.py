@@ -254,7 +254,9 @@ class Mount:
                                 "--config", str(self.catalog), "--cache-dir", str(self.state),
                                 "--log-level", "info"], stdout=logf, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + 60
-        while not os.path.ismount(self.mountpoint):
+        # Ready, not merely mounted: the daemon tunes the kernel's read-ahead for the mount first,
+        # and a file opened before that would be read in small requests to its end.
+        while not (os.path.ismount(self.mountpoint) and self._status().get("ready")):
             if self.child.proc.poll() is not None or time.monotonic() > deadline:
                 self.__exit__()
                 raise BenchError(f"ucfs mount did not come up; see {self.log}")
@@ -264,13 +266,19 @@ class Mount:
     def volume(self) -> Path:
         return self.mountpoint / "bench" / "torchio" / "data"
 
-    def gets(self) -> int:
-        """Object GETs this mount has sent (from `ucfs status --json`)."""
+    def _status(self) -> dict:
+        """The mount's `ucfs status --json`, or {} while it does not answer."""
         res = subprocess.run([sys.executable, "-m", "ucfs", "status", str(self.mountpoint), "--json"],
                              capture_output=True, text=True, env=self.env)
         try:
-            st = json.loads(res.stdout)[str(self.mountpoint)]
-        except (ValueError, KeyError):
+            return json.loads(res.stdout)[str(self.mountpoint)]
+        except (ValueError, KeyError, TypeError):
+            return {}
+
+    def gets(self) -> int:
+        """Object GETs this mount has sent (from `ucfs status --json`)."""
+        st = self._status()
+        if not st:
             return -1
         return sum(s.get("get", 0) for s in st.get("stores", {}).values())
 

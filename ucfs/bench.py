@@ -619,8 +619,8 @@ class BenchMount:
                 raise BenchError(f"ucfs mount exited with status {self.proc.returncode}: {self.log_tail(5)}")
             if os.path.ismount(self.mountpoint):
                 with contextlib.suppress(OSError, UcfsError):
-                    self.status()
-                    return self
+                    if self.status().get("ready"):  # tuned as it will run: see ucfs.mount.serve
+                        return self
             time.sleep(0.05)
         raise BenchError(f"ucfs mount not ready after {timeout_s:.0f} s: {self.log_tail(5)}")
 

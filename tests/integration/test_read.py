@@ -103,6 +103,24 @@ def test_dd_and_cp_copy_byte_for_byte(mount, s3, bucket, prefix, tmp_path):
     assert out == data
 
 
+def test_a_file_opened_as_soon_as_the_mount_is_ready_is_read_in_large_requests(mount_factory, s3, bucket,
+                                                                                 prefix):
+    """The kernel gives a file the mount's read-ahead when it is opened, for as long as it stays open,
+    and the daemon can only raise it once the kernel has taken its FUSE_INIT reply. A reader starting
+    the moment the mount is ready must get 1 MiB requests, not the kernel's default 128 KiB."""
+    data = os.urandom(16 * MiB)
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/seq.bin", Body=data)
+    m = mount_factory()  # returns at once when the mount says it is ready
+    dev = os.stat(m.mountpoint).st_dev
+    with open(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb") as f:
+        assert int(f.read()) == 1024  # MountConfig.kernel_readahead_kib
+    out = subprocess.run(["dd", f"if={m.path() / 'seq.bin'}", "bs=1M", "status=none"], capture_output=True,
+                         check=True).stdout
+    assert out == data
+    reads = m.status()["core"]["reads"]
+    assert reads <= 16 + 2, f"{reads} read requests for 16 MiB: the kernel read ahead in small pieces"
+
+
 @pytest.mark.slow
 def test_large_object_sha256(mount, s3, bucket, prefix):
     size = 256 * MiB + 3
