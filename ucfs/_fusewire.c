@@ -144,6 +144,26 @@ static int take_grant(uint64_t fh, int32_t *backing_id)
     return 0;
 }
 
+/* Send a reply. pyfuse3 calls libfuse's fuse_reply_*() holding the GIL, and the writev() wakes the
+ * process that waits for the answer, which on a busy host often takes this CPU at once: the event
+ * loop is then descheduled inside the call with the GIL in hand, and every other thread of the daemon
+ * (uploads, disk writes, reads from the store) waits for it. The reply touches no Python object, so
+ * the GIL is let go for the system call, as os.writev() would. Called without the GIL (libfuse
+ * answering on its own), it just writes. */
+static ssize_t send_reply(int fd, const struct iovec *iov, int iovcnt)
+{
+    if (!PyGILState_Check())
+        return real_writev(fd, iov, iovcnt);
+    ssize_t n;
+    int saved;
+    Py_BEGIN_ALLOW_THREADS
+    n = real_writev(fd, iov, iovcnt);
+    saved = errno;
+    Py_END_ALLOW_THREADS
+    errno = saved;
+    return n;
+}
+
 static ssize_t wire_writev(int fd, const struct iovec *iov, int iovcnt)
 {
     struct out_header h;
@@ -189,9 +209,9 @@ static ssize_t wire_writev(int fd, const struct iovec *iov, int iovcnt)
     }
     pthread_mutex_unlock(&mu);
     if (!patch)
-        return real_writev(fd, iov, iovcnt);
+        return send_reply(fd, iov, iovcnt);
     struct iovec v[2] = {iov[0], {copy, arglen}};
-    return real_writev(fd, v, 2);
+    return send_reply(fd, v, 2);
 }
 
 /* -- redirecting libfuse's calls -------------------------------------------------------------- */
