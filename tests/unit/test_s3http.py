@@ -347,10 +347,12 @@ def test_body_read_to_close_and_header_injection_refused():
     srv.close()
 
 
-def test_idle_connections_are_checked_past_descriptor_1024(put_sink, tmp_path):
+def test_idle_connections_are_checked_past_descriptor_1024(put_sink, tmp_path, monkeypatch):
     """A daemon with many files open hands out socket numbers above 1024, where select() cannot
     look: reusing a pooled connection must still work there."""
     import resource
+
+    monkeypatch.setattr("ucfs.s3http._FRESH_IDLE_S", -1.0)  # check every pooled connection
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard < 1200:
@@ -398,3 +400,45 @@ def test_a_server_that_goes_silent_times_the_request_out(sent):
     for conn in held:
         conn.close()
     srv.close()
+
+
+def test_a_large_body_in_memory_arrives_whole(put_sink):
+    """A body beyond the size sent with the head in one buffer goes out with sendmsg, head and body
+    together; far larger than a socket buffer, it is sent in several calls, every byte once."""
+    client, bodies = put_sink
+    data = os.urandom(9 << 20)
+    assert client.request("PUT", "b", "k", body=memoryview(data)[7:]).status == 200
+    assert client.request("PUT", "b", "k2", body=bytearray(data[:70_000])).status == 200
+    assert bodies == [data[7:], data[:70_000]]
+
+
+def test_a_connection_closed_just_after_its_answer_is_replaced_unnoticed():
+    """A pooled connection that answered a moment ago is reused without asking the kernel whether
+    the server has closed it since. If it has, the request goes again on a new connection."""
+    server = socket.create_server(("127.0.0.1", 0))
+    seen: list[int] = []
+
+    def serve():  # each connection answers one request, keeping it alive, and is then closed
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                buf = b""
+                while b"\r\n\r\n" not in buf:
+                    buf += conn.recv(65536)
+                seen.append(len(seen) + 1)
+                conn.sendall(_ok(b"hi"))
+
+    threading.Thread(target=serve, daemon=True).start()
+    c = LeanClient(f"http://127.0.0.1:{server.getsockname()[1]}", region="us-east-1", path_style=True,
+                   credentials=lambda: Credentials("AK", "SK"), pool_size=2, timeout_s=5)
+    try:
+        assert bytes(c.request("GET", "b", "k").body) == b"hi"
+        time.sleep(0.05)  # the server has closed it by now; the client has not looked
+        assert bytes(c.request("GET", "b", "k").body) == b"hi"
+        assert seen == [1, 2]
+    finally:
+        c.close()
+        server.close()
