@@ -209,7 +209,8 @@ class FileCache:
         """Make room for `src`, let `write(fout)` fill a private file with its bytes (returning how
         many) and rename that into place; or bypass the cache when no room can be made."""
         need = disk_bytes(src.size)
-        if not self._reserve(need):
+        scans = self._reserve(need)
+        if scans is None:
             self._note_bypass(src)
             return Fetched(src.path, hit=False, bypassed=True)
         dst = self.local_path(src)
@@ -219,6 +220,11 @@ class FileCache:
                 copied = write(fout)
             if copied != src.size:
                 raise OSError(errno.EIO, f"{src.path}: read {copied} bytes of {src.size}")
+            if not self._still_counted(need, scans):
+                with _suppress_missing():
+                    os.unlink(tmp)
+                self._note_bypass(src)
+                return Fetched(src.path, hit=False, bypassed=True)
             os.makedirs(os.path.dirname(dst), mode=0o700, exist_ok=True)
             os.rename(tmp, dst)  # atomic: readers see the whole file or none
         except BaseException:
@@ -236,8 +242,9 @@ class FileCache:
                 self.free_floor_bytes)
 
     # -- accounting -----------------------------------------------------------------------------
-    def _reserve(self, nbytes: int) -> bool:
-        """Account for `nbytes` more, evicting if needed; False when no room can be made.
+    def _reserve(self, nbytes: int) -> int | None:
+        """Account for `nbytes` more, evicting if needed. Returns the id of the scan the room was
+        counted after (see `_still_counted`), or None when no room can be made.
 
         A process takes room in advance (`_credit`, up to CREDIT_BYTES or 1/64 of the capacity) so
         that most fills take no lock: with 64 copies in flight across the workers of a host, the
@@ -249,9 +256,9 @@ class FileCache:
             if self._credit >= nbytes and self._lock_fd is not None:
                 if self._read_usage(self._lock_fd)[1] == self._credit_scans:
                     self._credit -= nbytes
-                    return True
+                    return self._credit_scans
         if nbytes > self.capacity_bytes:
-            return False
+            return None
         chunk = min(CREDIT_BYTES, self.capacity_bytes // 64)
         with self._locked() as fd:  # holds _thread_lock too
             used, scans = self._read_usage(fd)
@@ -263,12 +270,37 @@ class FileCache:
                 if self._fits(used, nbytes + extra):
                     self._write_usage(fd, used + nbytes + extra, scans)
                     self._credit += extra
-                    return True
+                    return scans
             used, scans = self._scan_and_evict(fd, nbytes, evict=True), _scan_id()
             self._credit, self._credit_scans = 0, scans
             fits = self._fits(used, nbytes)
             self._write_usage(fd, used + nbytes if fits else used, scans)
-            return fits
+            return scans if fits else None
+
+    def _still_counted(self, nbytes: int, scans: int) -> bool:
+        """Before a filled file goes into place: whether its room, counted after scan `scans`, still
+        is. A scan by another process since then recounted ``usage`` from the disk while this file
+        was missing or half written, and may have filled the cache up to its capacity without it:
+        the rename would then pass the limit by this file (seen: 41 pages in a cache of 40). So
+        count it again, under the lock, evicting if needed; False when there is no room for it now,
+        and the caller reads the source instead."""
+        fd = self._lock_fd
+        if fd is not None and self._read_usage(fd)[1] == scans:
+            return True  # no scan since: the room taken (with or without the lock) is counted
+        with self._locked() as fd:
+            used, now = self._read_usage(fd)
+            if used is not None and self._fits(used, nbytes):
+                # The scan counted what it saw of our file as a fill in progress: counting all of
+                # it again errs on the side of room, until the next scan.
+                self._write_usage(fd, used + nbytes, now)
+                return True
+            used, now = self._scan_and_evict(fd, nbytes, evict=True), _scan_id()  # counts our file
+            self._credit, self._credit_scans = 0, now
+            self._write_usage(fd, used, now)
+            if self._fits(used - nbytes, nbytes):
+                return True
+            self._write_usage(fd, used - nbytes, now)  # the file will not stay
+            return False
 
     def _release(self, nbytes: int) -> None:
         with self._thread_lock:

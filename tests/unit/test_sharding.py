@@ -376,6 +376,43 @@ def test_cache_is_shared_safely_by_processes(tmp_path):
     assert not os.listdir(cache.base / "tmp")
 
 
+def test_a_fill_on_room_taken_before_another_process_scanned_stays_within_capacity(tmp_path, monkeypatch):
+    """Process a fills a file on room it took in advance, without the lock. Meanwhile process b
+    fills the cache to its capacity, and its last fill scans: the recount cannot see a's file, not
+    yet in place. Before a's file goes in, a must count it again, and finding no room (everything is
+    in use), read the source instead of passing the limit."""
+    import torchio._cache as cache_mod
+
+    root = tmp_path / "c"
+    cap = 64 * 4096  # room is taken in advance one page at a time (1/64 of the capacity)
+    a = FileCache(root, capacity_bytes=cap, free_floor_bytes=0, protect_s=3600)
+    b = FileCache(root, capacity_bytes=cap, free_floor_bytes=0, protect_s=3600)
+    first, second = src_file(tmp_path, "a0", 4000), src_file(tmp_path, "a1", 4000)
+    others = [src_file(tmp_path, f"b{i}", 4000) for i in range(64)]
+    assert not a.get(first).hit  # takes the lock: room for it and one page in advance
+    real_copy = cache_mod._copy
+    b_fills: list = []
+    started = []
+
+    def copy_while_b_fills(fin, fout):
+        if not started:  # once, in a's fill: b fills everything meanwhile
+            started.append(True)
+            b_fills.extend(b.get(f) for f in others)
+        return real_copy(fin, fout)
+
+    monkeypatch.setattr(cache_mod, "_copy", copy_while_b_fills)
+    got = a.get(second)  # on the page taken in advance
+    # b filled the cache, a's page included: its last fill scanned, and the recount left out what a
+    # had taken in advance (a's file was not in place yet).
+    assert sum(not f.bypassed for f in b_fills) == 63
+    assert got.bypassed and got.path == second.path  # a found no room left for it
+    on_disk = sum(disk_bytes(os.path.getsize(os.path.join(d, f)))
+                  for d, _, fs in os.walk(a.base / "objects") for f in fs)
+    assert on_disk <= cap
+    assert a.usage_bytes() <= cap
+    assert not os.listdir(a.base / "tmp")
+
+
 def test_cache_fills_take_room_in_advance_and_a_scan_voids_it(tmp_path, monkeypatch):
     root = tmp_path / "c"
     a = FileCache(root, capacity_bytes=64 * 16 * 4096, free_floor_bytes=0, protect_s=0)  # 16-page credit
