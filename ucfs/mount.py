@@ -308,7 +308,10 @@ async def serve(catalog: Catalog, cfg: MountConfig, opts: MountOptions,
 
             async def announce() -> None:
                 # Ready once the kernel runs the mount as tuned (see tune_kernel_readahead).
-                await tune_kernel_readahead(mountpoint, cfg.kernel_readahead_kib)
+                try:
+                    await tune_kernel_readahead(mountpoint, cfg.kernel_readahead_kib)
+                except Exception:  # noqa: BLE001 - tuning is best effort; the mount must come up
+                    log.warning("could not tune the kernel's read-ahead on %s", mountpoint, exc_info=True)
                 announced.set()
                 log.info("mounted %d volume(s) from %s at %s", len(catalog.volumes), catalog.source,
                          mountpoint)
