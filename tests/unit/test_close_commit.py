@@ -218,3 +218,54 @@ def test_creates_take_staging_files_made_ahead_and_none_is_left_behind(tmp_path)
         assert not [p.name for p in staging.iterdir() if p.name.startswith(commit_mod.SPARE_PREFIX)]
 
     trio.run(main)
+
+
+def test_a_committed_staging_file_becomes_an_empty_spare_once_its_journal_row_is_gone(tmp_path, monkeypatch):
+    """After its commit a staging file is emptied and kept as a spare, so the next file written
+    reuses its inode instead of creating one (see commit._recycle). It is emptied only once no
+    journal row names it any more, durably: a replay would otherwise publish the empty file. One
+    left half-way by a daemon that died is removed at the next start, not kept as an orphan."""
+    store = GatedStore()
+    cfg = _cfg(tmp_path)
+    staging = tmp_path / "state" / "staging"
+    staging.mkdir(mode=0o700)
+    (staging / f"{commit_mod.RECYCLING_PREFIX}dead.data").write_bytes(b"committed before the crash")
+    rows_seen: list[list[str]] = []
+    real_recycle = commit_mod._recycle
+
+    async def main():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, cfg)
+            assert not (staging / f"{commit_mod.RECYCLING_PREFIX}dead.data").exists()
+            assert not (tmp_path / "state" / "orphans").exists()
+
+            def recycle(fd, path, staging_dir):
+                # What a replay would find right now: the journal read from another connection.
+                import sqlite3
+                db = sqlite3.connect(tmp_path / "state" / "journal.sqlite3")
+                rows_seen.append([r[0] for r in db.execute("SELECT staging FROM pending")])
+                db.close()
+                return real_recycle(fd, path, staging_dir)
+
+            monkeypatch.setattr(commit_mod, "_recycle", recycle)
+            fh = await _write(core, vol, "one.bin", b"1" * 5000)
+            used = core.file_handle(fh).staged.path
+            inode = os.stat(used).st_ino
+            await core.flush(fh)  # closed: durable locally, with a journal row
+            await core.release(fh)
+            with trio.fail_after(10):
+                while committer.stats["staging_recycled"] < 1:
+                    await trio.sleep(0.01)
+            assert _stored(store, "one.bin") == b"1" * 5000
+            assert not used.exists()
+            assert rows_seen and all(used.name not in rows for rows in rows_seen)
+            recycled = [(p, fd) for p, fd in committer._spares if os.fstat(fd).st_ino == inode]
+            assert len(recycled) == 1
+            path, fd = recycled[0]
+            assert path.name.startswith(commit_mod.SPARE_PREFIX) and os.fstat(fd).st_size == 0
+            assert path.stat().st_ino == inode  # the name and the descriptor are one file
+            await committer.shutdown(drain=True)
+            n.cancel_scope.cancel()
+        assert not [p.name for p in staging.iterdir()]
+
+    trio.run(main)
