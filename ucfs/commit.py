@@ -91,11 +91,6 @@ INTENT_CREATE_WINDOW_S = 600.0
 # the others. A spare is taken without leaving the event loop.
 SPARE_STAGING_FILES = 8
 SPARE_PREFIX = "spare-"
-# A committed staging file is emptied and kept as a spare rather than removed, up to this many
-# spares (see `_recycle`). On its way it is named so, and a daemon that dies meanwhile leaves it
-# for the next one to remove (its content is in the store).
-RECYCLED_SPARES_MAX = 64
-RECYCLING_PREFIX = "recycling-"
 # Parts of one file uploaded at once; parts of all files together are bounded by the store limiter.
 PARTS_IN_FLIGHT_PER_FILE = 8
 # How often a file written in passthrough mode (ucfs.passthrough), which we do not see being
@@ -133,51 +128,6 @@ def _close_and_remove(fd: int, path: Path) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
-
-
-def _recycle_or_remove(files: list[tuple[int, Path]], keep: int, staging_dir: Path) -> list[tuple[Path, int]]:
-    """Retired staging files: up to `keep` of them emptied into spares, the rest closed and removed
-    (blocking: run it in a thread). Returns the spares, (path, fd)."""
-    spares: list[tuple[Path, int]] = []
-    for fd, path in files:
-        got = _recycle(fd, path, staging_dir) if len(spares) < keep else None
-        if got is not None:
-            spares.append(got)
-    return spares
-
-
-def _recycle(fd: int, path: Path, staging_dir: Path) -> tuple[Path, int] | None:
-    """Make a retired staging file an empty spare; None when it was closed and removed instead.
-
-    Why: a file created for every file written, and removed after its commit, costs an inode each
-    time. On ext4 without a journal (the VMs we measure on) the inode allocator also steps over
-    every inode freed in the last half minute, one by one: after a 64-way write of 2,000 small files
-    the next phase's creates spent a third of the daemon's CPU doing that. A recycled file needs none.
-
-    Order: the caller has made the removal of the file's journal row durable, so no replay names it
-    any more. Its name goes first (like the removal it replaces), then its content; then it is
-    closed and opened again, because ext4 marks a file truncated to nothing for a flush at its next
-    close (auto_da_alloc), which would otherwise fall on its next user's close on the event loop."""
-    mid = staging_dir / f"{RECYCLING_PREFIX}{uuid.uuid4().hex}.data"
-    try:
-        os.rename(path, mid)
-    except OSError:
-        _close_and_remove(fd, path)
-        return None
-    spare = staging_dir / f"{SPARE_PREFIX}{uuid.uuid4().hex}.data"
-    try:
-        os.ftruncate(fd, 0)
-        os.close(fd)
-        fd = -1
-        os.rename(mid, spare)
-        return spare, os.open(spare, os.O_RDWR)
-    except OSError:
-        if fd >= 0:
-            _close_and_remove(fd, mid)
-        for name in (mid, spare):
-            with contextlib.suppress(OSError):
-                os.unlink(name)
-        return None
 
 
 def _first_hole(fd: int, start: int) -> int:
@@ -400,9 +350,6 @@ class Committer:
                 continue
             if p.name.startswith(SPARE_PREFIX) and p.stat().st_size == 0:
                 p.unlink()  # made ahead, never written: nothing to keep
-                continue
-            if p.name.startswith(RECYCLING_PREFIX):
-                p.unlink()  # committed, on its way to be a spare (`_recycle`)
                 continue
             self.orphans_dir.mkdir(mode=0o700, exist_ok=True)
             dest = self.orphans_dir / p.name
@@ -1480,28 +1427,9 @@ class Committer:
         try:
             while self._removals:
                 batch, self._removals = self._removals, []
-                keep = self._recyclable()
-                if keep:
-                    # The journal rows of these files were queued for removal when they retired.
-                    # Only once that is durable may a file be emptied: a replay after a crash
-                    # would otherwise publish the empty file over the content it committed.
-                    try:
-                        await self.journal.barrier()
-                    except OSError:
-                        keep = 0
-                    keep = min(keep, self._recyclable())
-                spares = await run_disk(_recycle_or_remove, batch, keep, self.staging_dir)
-                if self._shutting_down:
-                    await run_disk(_close_and_remove_all, [(fd, path) for path, fd in spares])
-                else:
-                    self._spares.extend(spares)
-                    self.stats["staging_recycled"] += len(spares)
+                await run_disk(_close_and_remove_all, batch)
         finally:
             self._removing = False
-
-    def _recyclable(self) -> int:
-        """How many retired staging files may become spares now."""
-        return 0 if self._shutting_down else max(0, RECYCLED_SPARES_MAX - len(self._spares))
 
     # -- status ---------------------------------------------------------------------------------
     def statistics(self) -> dict:

@@ -183,11 +183,6 @@ class Journal:
     def remove_upload_nowait(self, upload_id: str) -> None:
         self._enqueue("DELETE FROM uploads WHERE upload_id=?", (upload_id,), None)
 
-    async def barrier(self) -> None:
-        """Return once everything queued before this call is written and durable (batches are
-        written in order, each in one transaction)."""
-        await self._execute("SELECT 1", ())
-
     def remove_nowait(self, rid: int) -> None:
         self._enqueue("DELETE FROM pending WHERE id=?", (rid,), None)
 
