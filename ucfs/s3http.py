@@ -257,10 +257,10 @@ class LeanClient:
             elif isinstance(body, FileBody):
                 sock.sendall(head)
                 _send_file(sock, body)
+            elif conn.waitall:
+                _send_parts(sock, head, body)  # plain socket: one sendmsg, a small request one segment
             elif len(body) <= _COALESCE_BODY_BYTES:
                 sock.sendall(head + bytes(body))  # one segment for a small request
-            elif conn.waitall:
-                _send_parts(sock, head, body)  # one system call where the socket takes it all
             else:
                 sock.sendall(head)
                 sock.sendall(body)
@@ -318,7 +318,8 @@ class LeanClient:
 # kept it open (see LeanClient._connect).
 _FRESH_IDLE_S = 1.0
 
-# A request body up to this size goes out in one send with its head (one TCP segment, not two).
+# On a TLS socket (no sendmsg), a request body up to this size is joined to its head and sent in
+# one send (one TCP segment, not two).
 _COALESCE_BODY_BYTES = 64 * 1024
 # The most a response's status line and headers may take; S3's are well under 4 KiB.
 _MAX_HEAD_BYTES = 64 * 1024
@@ -480,7 +481,7 @@ def read_file_body(body: FileBody) -> bytes:
 def _send_parts(sock: socket.socket, *parts) -> None:
     """sendall() of several buffers with sendmsg(): no copy to join them, one system call where the
     socket takes them all (a plain socket only: TLS sockets have no sendmsg)."""
-    views = [memoryview(p).cast("B") for p in parts]
+    views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]  # an empty one sends 0
     while views:
         n = sock.sendmsg(views)
         while n:

@@ -403,8 +403,8 @@ def test_a_server_that_goes_silent_times_the_request_out(sent):
 
 
 def test_a_large_body_in_memory_arrives_whole(put_sink):
-    """A body beyond the size sent with the head in one buffer goes out with sendmsg, head and body
-    together; far larger than a socket buffer, it is sent in several calls, every byte once."""
+    """A body in memory goes out with its head in one sendmsg on a plain socket; far larger than a
+    socket buffer, it is sent in several calls, every byte once."""
     client, bodies = put_sink
     data = os.urandom(9 << 20)
     assert client.request("PUT", "b", "k", body=memoryview(data)[7:]).status == 200
