@@ -19,6 +19,18 @@
  *     Python granted passthrough (grant(fh, backing_id)) before returning from its handler.
  * Any other message on any other descriptor passes through untouched, and a kernel that does not
  * offer passthrough is never told about it: the mount then works as it always did.
+ *
+ * Two more things ride on the same hooks, for reads:
+ *   - larger read requests. libfuse asks the kernel for requests of up to 1 MiB (max_pages 256,
+ *     sized for its own receive buffer, which only writes fill). A read request is small and its
+ *     answer is written by us, so the INIT reply may ask for more (install's max_pages); the kernel
+ *     grants up to its fs.fuse.max_pages_limit. An 8 MiB read costs one request instead of eight.
+ *   - vectored read replies. pyfuse3 answers a read with one buffer, but a large read often spans
+ *     the buffers of two ranged GETs. Instead of joining them (a copy, into fresh memory), Python
+ *     hands the pieces to vector(), which returns a stand-in of the same length; when libfuse
+ *     writes the reply with the stand-in as its data, the pieces go out in its place. The stand-in
+ *     is address space that cannot be read (PROT_NONE): a reply that somehow carried it anyway
+ *     fails with EFAULT instead of sending bytes that are not the file's.
  */
 #define PY_SSIZE_T_CLEAN
 #define _GNU_SOURCE
@@ -38,6 +50,7 @@
 enum { OP_OPEN = 14, OP_INIT = 26, OP_CREATE = 35 };
 #define INIT_EXT (1u << 30)           /* flags: flags2 is meaningful */
 #define INIT2_PASSTHROUGH (1u << 5)   /* flags2: FUSE_PASSTHROUGH, bit 37 of the 64-bit flags */
+#define INIT_MAX_PAGES (1u << 22)     /* flags: FUSE_MAX_PAGES, max_pages is meaningful */
 #define FOPEN_NOFLUSH (1u << 5)
 #define FOPEN_PASSTHROUGH (1u << 7)
 
@@ -85,6 +98,18 @@ static int npending;
 static struct { uint64_t fh; int32_t backing_id; } grants[GRANTS_MAX];
 static int ngrants;
 static unsigned long long n_patched_opens, n_requests;
+static unsigned want_max_pages;  /* ask for read requests of this many pages (0: as libfuse asks) */
+static unsigned asked_max_pages; /* what our INIT reply asked for */
+
+/* Vectored read replies (only ever used by the thread that runs the FUSE loop). */
+#define VEC_MAX 64
+#define VEC_SPAN ((size_t)64 << 20)
+static char *vec_standin;        /* VEC_SPAN bytes of PROT_NONE address space */
+static Py_buffer vec_parts[VEC_MAX];
+static int vec_n;
+static size_t vec_total;
+static pthread_t vec_thread;
+static unsigned long long n_vectored;
 
 static ssize_t (*real_read)(int, void *, size_t) = read;
 static ssize_t (*real_writev)(int, const struct iovec *, int) = writev;
@@ -164,11 +189,45 @@ static ssize_t send_reply(int fd, const struct iovec *iov, int iovcnt)
     return n;
 }
 
+static void vec_clear(void)
+{
+    for (int i = 0; i < vec_n; i++)
+        PyBuffer_Release(&vec_parts[i]);
+    vec_n = 0;
+    vec_total = 0;
+}
+
+/* A read reply whose data is the stand-in vector() returned: send the pieces instead. */
+static int is_vectored(int fd, const struct iovec *iov, int iovcnt)
+{
+    return vec_n && fd == watched_fd && iovcnt == 2 && iov[1].iov_base == vec_standin
+           && iov[1].iov_len == vec_total && pthread_equal(pthread_self(), vec_thread)
+           && PyGILState_Check();
+}
+
+static ssize_t send_vectored(int fd, const struct iovec *iov)
+{
+    struct iovec v[1 + VEC_MAX];
+    v[0] = iov[0];
+    for (int i = 0; i < vec_n; i++) {
+        v[i + 1].iov_base = vec_parts[i].buf;
+        v[i + 1].iov_len = (size_t)vec_parts[i].len;
+    }
+    ssize_t n = send_reply(fd, v, vec_n + 1); /* lets the GIL go, and has it again on return */
+    int saved = errno;
+    vec_clear();
+    n_vectored++;
+    errno = saved;
+    return n;
+}
+
 static ssize_t wire_writev(int fd, const struct iovec *iov, int iovcnt)
 {
     struct out_header h;
     if (fd != watched_fd || iovcnt < 1 || iov[0].iov_len != sizeof h)
         return real_writev(fd, iov, iovcnt);
+    if (is_vectored(fd, iov, iovcnt))
+        return send_vectored(fd, iov);
     memcpy(&h, iov[0].iov_base, sizeof h);
     /* A reply with data is the header and one argument; an error reply is the header alone. */
     size_t arglen = iovcnt == 2 ? iov[1].iov_len : 0;
@@ -179,17 +238,24 @@ static ssize_t wire_writev(int fd, const struct iovec *iov, int iovcnt)
     if (init_seen && h.unique == init_unique && h.error == 0 && iovcnt == 2
             && arglen >= sizeof(struct init_out) && arglen <= sizeof copy) {
         init_seen = 0;
+        struct init_out out;
+        memcpy(copy, iov[1].iov_base, arglen);
+        memcpy(&out, copy, sizeof out);
         if (want && offered) {
-            struct init_out out;
-            memcpy(copy, iov[1].iov_base, arglen);
-            memcpy(&out, copy, sizeof out);
             out.flags |= INIT_EXT;
             out.flags2 |= INIT2_PASSTHROUGH;
             out.max_stack_depth = 1; /* backing files live on ordinary file systems */
-            memcpy(copy, &out, sizeof out);
             negotiated = 1;
             patch = 1;
         }
+        /* libfuse sets FUSE_MAX_PAGES when the kernel offered it; only then is max_pages read. */
+        if (want_max_pages && (out.flags & INIT_MAX_PAGES) && want_max_pages > out.max_pages) {
+            out.max_pages = (uint16_t)want_max_pages;
+            patch = 1;
+        }
+        asked_max_pages = (out.flags & INIT_MAX_PAGES) ? out.max_pages : 0;
+        if (patch)
+            memcpy(copy, &out, sizeof out);
     } else if (npending && take_pending(h.unique) && h.error == 0 && iovcnt == 2
                && arglen >= sizeof(struct open_out) && arglen <= sizeof copy) {
         /* OPEN replies with fuse_open_out alone; CREATE with fuse_entry_out followed by it. */
@@ -310,9 +376,14 @@ static int hooked;
 static PyObject *py_install(PyObject *self, PyObject *args)
 {
     int fd, w;
+    unsigned max_pages = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "ip", &fd, &w))
+    if (!PyArg_ParseTuple(args, "ip|I", &fd, &w, &max_pages))
         return NULL;
+    if (max_pages > 65535) {
+        PyErr_SetString(PyExc_ValueError, "max_pages must fit in 16 bits");
+        return NULL;
+    }
     if (!hooked) {
         struct hook_result res = {0, 0, 0};
         dl_iterate_phdr(hook_lib, &res);
@@ -333,8 +404,50 @@ static PyObject *py_install(PyObject *self, PyObject *args)
     pthread_mutex_lock(&mu);
     watched_fd = fd;
     want = w;
+    want_max_pages = max_pages;
     pthread_mutex_unlock(&mu);
     Py_RETURN_NONE;
+}
+
+static PyObject *py_vector(PyObject *self, PyObject *args)
+{
+    PyObject *parts;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O!", &PyTuple_Type, &parts))
+        return NULL;
+    if (!hooked) {
+        PyErr_SetString(PyExc_RuntimeError, "install() first: only a hooked libfuse can send the pieces");
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(parts);
+    if (n < 1 || n > VEC_MAX) {
+        PyErr_Format(PyExc_ValueError, "1 to %d pieces, not %zd", VEC_MAX, n);
+        return NULL;
+    }
+    if (!vec_standin) {
+        void *p = mmap(NULL, VEC_SPAN, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (p == MAP_FAILED)
+            return PyErr_SetFromErrno(PyExc_OSError);
+        vec_standin = p;
+    }
+    vec_clear(); /* pieces set for a reply that never went out (its handler failed after) */
+    size_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(parts, i), &vec_parts[i], PyBUF_SIMPLE) < 0) {
+            vec_clear();
+            return NULL;
+        }
+        vec_n = (int)i + 1;
+        total += (size_t)vec_parts[i].len;
+    }
+    if (total > VEC_SPAN) {
+        vec_clear();
+        PyErr_Format(PyExc_ValueError, "pieces of %zu bytes in all, more than a reply holds", total);
+        return NULL;
+    }
+    vec_total = total;
+    vec_thread = pthread_self();
+    return PyMemoryView_FromMemory(vec_standin, (Py_ssize_t)total, PyBUF_READ);
 }
 
 static PyObject *py_negotiated(PyObject *self, PyObject *unused)
@@ -384,17 +497,22 @@ static PyObject *py_statistics(PyObject *self, PyObject *unused)
 {
     (void)self, (void)unused;
     pthread_mutex_lock(&mu);
-    PyObject *d = Py_BuildValue("{s:O,s:O,s:K,s:K,s:i,s:i}", "offered", offered ? Py_True : Py_False,
+    PyObject *d = Py_BuildValue("{s:O,s:O,s:K,s:K,s:i,s:i,s:I,s:K}", "offered", offered ? Py_True : Py_False,
                                 "negotiated", negotiated ? Py_True : Py_False, "opens", n_patched_opens,
                                 "requests", n_requests, "grants_waiting", ngrants,
-                                "opens_awaiting_reply", npending);
+                                "opens_awaiting_reply", npending, "max_pages_asked", asked_max_pages,
+                                "vectored_replies", n_vectored);
     pthread_mutex_unlock(&mu);
     return d;
 }
 
 static PyMethodDef methods[] = {
     {"install", py_install, METH_VARARGS,
-     "install(fuse_fd, want): watch libfuse's traffic on fuse_fd; accept passthrough if want and offered."},
+     "install(fuse_fd, want, max_pages=0): watch libfuse's traffic on fuse_fd; accept passthrough if want "
+     "and offered; ask for read requests of up to max_pages pages (0: what libfuse asks)."},
+    {"vector", py_vector, METH_VARARGS,
+     "vector(pieces): a stand-in to answer a read with; the pieces (a tuple of buffers) go out in its "
+     "place. Only for the thread that runs the FUSE loop, for the reply it sends next."},
     {"offered", py_offered, METH_NOARGS, "Whether the kernel's INIT offered passthrough."},
     {"negotiated", py_negotiated, METH_NOARGS, "Whether the INIT reply accepted passthrough."},
     {"grant", py_grant, METH_VARARGS,

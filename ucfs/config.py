@@ -67,8 +67,10 @@ class MountConfig:
     # per-connection throughput; smaller parts spend more time in request overhead.
     part_bytes: int = 8 * MiB
 
-    # First read-ahead request. The kernel asks for 128 KiB past a 1 MiB read, so 1 MiB + 128 KiB covers a
-    # reader's first two requests with one GET, and a file read only at its head costs little.
+    # First read-ahead window. A file read only at its head (a header, a magic number) costs one GET of
+    # about 1 MiB; a reader that goes on doubles the window from there. (Sized when the kernel's first
+    # requests for a 1 MiB read were 1 MiB and 128 KiB; with its read-ahead at 8 MiB, the first one is
+    # 2 MiB, and a request is always fetched whole.)
     readahead_initial_bytes: int = 1 * MiB + 128 * KiB
 
     # Largest read-ahead window of one handle. 16 parts in flight keep a 2-core host saturated at
@@ -115,11 +117,12 @@ class MountConfig:
     # of 1 MiB + 4 KiB (FUSE's largest write) that counts in the daemon's memory.
     fuse_max_tasks: int = 64
 
-    # Read-ahead the kernel itself does on the mount. Its requests reach us in pieces of up to 1 MiB
-    # (FUSE's largest); 1 MiB makes a sequential reader cost 1 MiB requests instead of 128 KiB ones
-    # (the kernel's default), while a buffered reader jumping between Parquet column chunks does not
-    # pull 4 MiB around each 1 MiB it reads. Our own read-ahead looks further. Needs root.
-    kernel_readahead_kib: int = 1024
+    # Read-ahead the kernel itself does on the mount, and the largest read request it sends us (one
+    # part). A sequential reader then costs one 8 MiB request per part instead of eight of 1 MiB
+    # (FUSE's default cap, raised as root: mount.allow_read_requests) or 64 of 128 KiB (the kernel's
+    # default read-ahead). Where requests stay capped at 1 MiB, the read-ahead is 1 MiB too. Our own
+    # read-ahead looks further. Needs root.
+    kernel_readahead_kib: int = 8192
 
     # Let users other than the mounting one see the mount (they still need grants).
     allow_other: bool = False

@@ -131,6 +131,9 @@ class Core:
         self._probes: dict[tuple[str, str], _Shared] = {}
         self.committer = None  # set by mount when writes are enabled (commit.Committer)
         self.passthrough = None  # set by mount (passthrough.Passthrough)
+        # Reads spanning several fetches may come back in pieces (a tuple), which fs answers with
+        # Passthrough.vector_reply: set by mount once that is in place.
+        self.vectored_replies = False
         # What this mount changed itself, and when (time.monotonic()). A store answer obtained
         # before a local change - a listing, probe or HEAD still on its way when a commit, rename,
         # create or unlink happened, or an opendir's snapshot read later - is older than what we
@@ -654,7 +657,7 @@ class Core:
             raise errors.fs_error(errors.EBADF)
         return h
 
-    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview | tuple[memoryview, ...]:
         h = self.file_handle(fh)
         node = h.inode
         if node.staged is not None:
@@ -683,7 +686,7 @@ class Core:
         self.stats["reads"] += 1
         self._check_page_cache(node, h.version)
         try:
-            data = await h.reader.read(off, size)
+            data = await h.reader.read(off, size, pieces=self.vectored_replies)
         except errors.StaleError:
             node.attr_expires = 0.0  # the next open looks again
             raise

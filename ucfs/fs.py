@@ -151,7 +151,13 @@ class Operations(pyfuse3.Operations):
 
     @_translate
     async def read(self, fh, off, size):
-        return await self.core.read(fh, off, size)
+        data = await self.core.read(fh, off, size)
+        if isinstance(data, tuple):  # pieces of several buffers: sent as they are, not joined
+            try:
+                return self.core.passthrough.vector_reply(data)
+            except ValueError:  # more pieces or bytes than one reply's stand-in covers
+                return b"".join(data)
+        return data
 
     @_translate
     async def release(self, fh):

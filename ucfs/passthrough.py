@@ -43,6 +43,7 @@ else:
 # _IOW(229, 2, uint32_t).
 FUSE_DEV_IOC_BACKING_OPEN = 0x4010E501
 FUSE_DEV_IOC_BACKING_CLOSE = 0x4004E502
+PAGE_BYTES = 4096  # the unit of FUSE's max_pages
 
 
 def fuse_device_fd() -> int | None:
@@ -64,11 +65,15 @@ class Passthrough:
         self.fd: int | None = None
         self.broken = ""  # why passthrough was given up after the mount started
         self.backing_opened = 0
+        self.hooked = False  # ucfs._fusewire watches libfuse's traffic (install)
         if wanted and _fusewire is None:
             log.info("FUSE passthrough unavailable: ucfs._fusewire is not built (%s)", _IMPORT_ERROR)
 
-    def install(self) -> None:
-        """Call after pyfuse3.init() and before pyfuse3.main(): the kernel's INIT is answered there."""
+    def install(self, max_read_bytes: int = 0) -> None:
+        """Call after pyfuse3.init() and before pyfuse3.main(): the kernel's INIT is answered there.
+
+        The same hooks ask the kernel for read requests of up to `max_read_bytes` (0: libfuse's
+        1 MiB) and let reads be answered in pieces (`vector_reply`); `hooked` says they are in place."""
         if _fusewire is None:
             return
         fd = fuse_device_fd()
@@ -77,12 +82,13 @@ class Passthrough:
             log.info("FUSE passthrough off: no /dev/fuse descriptor found")
             return
         try:
-            _fusewire.install(fd, self.wanted)
+            _fusewire.install(fd, self.wanted, max_read_bytes // PAGE_BYTES)
         except (OSError, RuntimeError) as e:
             self.wanted = False
             log.info("FUSE passthrough off: %s", e)
             return
         self.fd = fd
+        self.hooked = True
 
     @property
     def active(self) -> bool:
@@ -113,6 +119,12 @@ class Passthrough:
     def grant(fh: int, backing_id: int) -> bool:
         """The reply to the open that returns fh opens it in passthrough mode."""
         return _fusewire.grant(fh, backing_id)
+
+    @staticmethod
+    def vector_reply(pieces: tuple) -> memoryview:
+        """What to answer a read with so that its data goes out as `pieces` (buffers, in order),
+        without joining them. Only once `hooked`, from the FUSE loop's thread, for its next reply."""
+        return _fusewire.vector(pieces)
 
     @staticmethod
     def revoke(fh: int) -> None:

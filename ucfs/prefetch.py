@@ -46,8 +46,9 @@ from .config import MiB, MountConfig
 log = logging.getLogger(__name__)
 
 # A read this far ahead of the stream's end still continues the stream: the kernel's own read-ahead
-# (4 MiB, see MountConfig.kernel_readahead_kib) sends several requests at once and they may arrive out
-# of order. A read inside what we already fetch ahead continues it too. Anything further is a seek.
+# sends its first requests together (a read and the window after it) and they may arrive out of
+# order; later windows are asked for only once the reader is inside the one before. A read inside
+# what we already fetch ahead continues the stream too. Anything further is a seek.
 FORWARD_JUMP_BYTES = 4 * MiB
 # A read this far behind the stream's end still counts as sequential (FUSE reordering).
 BACKWARD_SLACK_BYTES = 2 * MiB
@@ -304,7 +305,11 @@ class ObjectReader:
         return (self.size + self.B - 1) // self.B
 
     # -- the read path ----------------------------------------------------------------------
-    async def read(self, off: int, size: int) -> bytes | memoryview:
+    async def read(self, off: int, size: int, *, pieces: bool = False
+                   ) -> bytes | memoryview | tuple[memoryview, ...]:
+        """The bytes [off, off + size) (fewer at the end of the object). With `pieces`, a read that
+        spans the buffers of several fetches comes back as a tuple of views, in order, for the
+        caller to send without joining them (FUSE: Passthrough.vector_reply)."""
         if off >= self.size or size <= 0:
             return b""
         end = min(off + size, self.size)
@@ -330,9 +335,13 @@ class ObjectReader:
                     # memcpy, for every read the kernel does not align to our blocks.
                     out = r.view[off - r.first * B:end - r.first * B]
                 else:
-                    self.stats["read_joins"] += 1
-                    out = b"".join(b.data[max(off, b.index * B) - b.index * B:
-                                          min(end, (b.index + 1) * B) - b.index * B] for b in blocks)
+                    parts = _pieces(blocks, off, end, B)
+                    if pieces:
+                        self.stats["read_pieces"] += 1
+                        out = parts
+                    else:
+                        self.stats["read_joins"] += 1
+                        out = b"".join(parts)
             finally:
                 for blk in blocks:
                     self._done_with(blk)
@@ -634,6 +643,25 @@ class ObjectReader:
             self._drop(idx)
         for scope in list(self._cancel_scopes):
             scope.cancel()
+
+
+def _pieces(blocks: list[_Block], off: int, end: int, B: int) -> tuple[memoryview, ...]:
+    """[off, end) out of consecutive blocks, in as few views as their buffers allow: the blocks of
+    one fetch lie side by side in its buffer and make one view."""
+    out: list[memoryview] = []
+    i = 0
+    while i < len(blocks):
+        r, j = blocks[i].run, i + 1
+        while r is not None and r.view is not None and j < len(blocks) and blocks[j].run is r:
+            j += 1
+        lo = max(off, blocks[i].index * B)
+        hi = min(end, (blocks[j - 1].index + 1) * B)
+        if j - i > 1:
+            out.append(r.view[lo - r.first * B:hi - r.first * B])
+        else:
+            out.append(memoryview(blocks[i].data)[lo - blocks[i].index * B:hi - blocks[i].index * B])
+        i = j
+    return tuple(out)
 
 
 def _contiguous(blocks: list[_Block]) -> list[list[_Block]]:

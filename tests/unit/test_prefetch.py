@@ -354,3 +354,30 @@ def test_part_buffers_are_private_aligned_and_reusable():
         assert await pool.acquire(1 * MiB) is None
 
     trio.run(main)
+
+
+def test_a_read_across_two_fetches_comes_back_in_pieces_when_asked(cfg, cache):
+    """The kernel's 8 MiB requests straddle the buffers of two part GETs; for FUSE they are answered
+    in pieces (a vectored reply) instead of joined, and the pieces are the bytes, in order."""
+    store = CountingStore()
+    data = make_object(store, 64 * MiB)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            r = await open_reader(store, cache, cfg, n)
+            got, shapes = bytearray(), []
+            off = 0
+            for size in (2 * MiB, 4 * MiB) + (8 * MiB,) * 7:  # the kernel's read-ahead ramp
+                out = await r.read(off, size, pieces=True)
+                shapes.append(len(out) if isinstance(out, tuple) else 1)
+                got += b"".join(out) if isinstance(out, tuple) else out
+                off += size
+            got += await r.read(off, len(data) - off)
+            r.close()
+            return bytes(got), shapes
+
+    got, shapes = run(main)
+    assert got == data
+    # Off the 8 MiB part boundaries, a request touches two parts: two pieces, never one per block.
+    assert max(shapes) == 2 and shapes.count(2) >= 5, shapes
+    assert sum(n for _, n in store.ranges) == len(data)  # and nothing fetched twice for it
