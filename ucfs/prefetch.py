@@ -322,9 +322,10 @@ class ObjectReader:
             blk = await self._wait(first)
             base = first * B
             out: bytes | memoryview = blk.data[off - base:end - base]
-            self._done_with(blk)
+            self._let_go_after_reply([blk])
         else:
             blocks: list[_Block] = []
+            viewed = False  # the answer is a view of the blocks' buffers
             try:
                 for i in range(first, last + 1):
                     blocks.append(await self._wait(i))
@@ -334,19 +335,41 @@ class ObjectReader:
                     # view of it. A copy would cost a fresh 1 MiB buffer (256 page faults) and a
                     # memcpy, for every read the kernel does not align to our blocks.
                     out = r.view[off - r.first * B:end - r.first * B]
+                    viewed = True
                 else:
                     parts = _pieces(blocks, off, end, B)
                     if pieces:
                         self.stats["read_pieces"] += 1
-                        out = parts
+                        out = viewed = parts
                     else:
                         self.stats["read_joins"] += 1
                         out = b"".join(parts)
             finally:
-                for blk in blocks:
-                    self._done_with(blk)
+                if viewed:
+                    self._let_go_after_reply(blocks)
+                else:
+                    for blk in blocks:
+                        self._done_with(blk)
         self._drop_behind(first, end)
         return out
+
+    def _let_go_after_reply(self, blocks: list[_Block]) -> None:
+        """`_done_with` for blocks whose buffers the answer views, once that answer is sent.
+
+        The last read of a block that was waiting to be dropped lets its buffer go. Let go while the
+        answer still views it, the pool must discard the buffer (it cannot hand out memory someone
+        reads), and the next GET maps and faults in a fresh one: 8 MiB of first-touch page faults,
+        1 to 12 times per cold GiB. The caller sends the answer before its task next yields (pyfuse3
+        replies as the handler returns), so a task started now runs after it."""
+        if any(b.drop_when_cached for b in blocks):
+            self.nursery.start_soon(self._let_go, blocks)
+        else:
+            for blk in blocks:
+                self._done_with(blk)
+
+    async def _let_go(self, blocks: list[_Block]) -> None:
+        for blk in blocks:
+            self._done_with(blk)
 
     def _done_with(self, blk: _Block) -> None:
         blk.waiters -= 1

@@ -152,6 +152,11 @@ def test_large_object_sha256(mount, s3, bucket, prefix):
                          check=True).stdout
     assert out.split()[0] == h.hexdigest()
     assert os.stat(mount.path() / "large.bin").st_size == size
+    # Every GET buffer went back to the pool once read, none thrown away because the read that let
+    # it go was still answering with a view of it (prefetch: _let_go_after_reply): a cold read then
+    # faults in only as many fresh buffers as it has in use at once.
+    status = mount.status()
+    assert status["buffers_discarded"] == 0, {k: status[k] for k in ("buffers_reused", "buffers_discarded")}
 
 
 def test_reread_after_remount_makes_zero_gets(mount, s3, bucket, prefix, rgw):
