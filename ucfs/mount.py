@@ -145,11 +145,11 @@ def allow_read_requests(want_bytes: int, limit_path: Path = MAX_PAGES_LIMIT) -> 
         try:
             limit_path.write_text(str(want))
         except OSError as e:
-            log.info("FUSE read requests stay at %d KiB: cannot raise %s to %d (%s)", limit * 4,
-                     limit_path, want, e.strerror)
+            log.info("FUSE read requests stay at %d KiB: cannot raise %s to %d (%s)",
+                     limit * PAGE_BYTES // 1024, limit_path, want, e.strerror)
         else:
             log.info("raised %s from %d to %d: reads are answered %d KiB at a time", limit_path,
-                     limit, want, want * 4)
+                     limit, want, want * PAGE_BYTES // 1024)
             limit = want
     return min(want, limit) * PAGE_BYTES
 
