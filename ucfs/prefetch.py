@@ -340,7 +340,7 @@ class ObjectReader:
                     parts = _pieces(blocks, off, end, B)
                     if pieces:
                         self.stats["read_pieces"] += 1
-                        out = viewed = parts
+                        out, viewed = parts, True
                     else:
                         self.stats["read_joins"] += 1
                         out = b"".join(parts)
