@@ -127,6 +127,12 @@ def _mem_available() -> int | None:
     return None
 
 
+def _stat_ticks(text: str) -> int:
+    """utime + stime, in clock ticks, from the text of a /proc/<pid>[/task/<tid>]/stat file."""
+    fields = text[text.rindex(")") + 2:].split()  # the name before may hold spaces and ')'
+    return int(fields[11]) + int(fields[12])
+
+
 def _process_ticks() -> dict[int, tuple[str, int]]:
     """CPU time so far (user + system, in clock ticks) of every process: pid -> (name, ticks)."""
     out: dict[int, tuple[str, int]] = {}
@@ -139,8 +145,7 @@ def _process_ticks() -> dict[int, tuple[str, int]]:
             with open(f"/proc/{pid}/stat") as f:
                 text = f.read()
             name = text[text.index("(") + 1:text.rindex(")")]  # a name may hold spaces and ')'
-            fields = text[text.rindex(")") + 2:].split()
-            out[pid] = (name, int(fields[11]) + int(fields[12]))  # utime, stime
+            out[pid] = (name, _stat_ticks(text))
         except (OSError, ValueError, IndexError):
             continue  # ended meanwhile
     return out
@@ -647,8 +652,7 @@ class BenchMount:
             except (OSError, ValueError, IndexError):
                 try:  # a kernel without schedstats
                     with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                        fields = f.read().rpartition(")")[2].split()
-                    seconds = (int(fields[11]) + int(fields[12])) / hz
+                        seconds = _stat_ticks(f.read()) / hz
                 except (OSError, ValueError, IndexError):
                     continue  # a thread that ended meanwhile
             if int(tid) == pid:

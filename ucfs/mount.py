@@ -36,7 +36,7 @@ from .config import KiB, MountConfig, mount_descriptor_path
 from .core import Core
 from .errors import UcfsError
 from .fs import Operations
-from .passthrough import Passthrough
+from .passthrough import PAGE_BYTES, Passthrough
 from .store import LocalStore, S3Store, Store
 
 log = logging.getLogger(__name__)
@@ -123,7 +123,6 @@ def _bdi_of(mountpoint: Path) -> str | None:
 MAX_PAGES_LIMIT = Path("/proc/sys/fs/fuse/max_pages_limit")
 # The kernel's own cap on a FUSE request before that setting existed (Linux 6.13), and its default.
 FUSE_DEFAULT_MAX_PAGES = 256
-PAGE_BYTES = 4096
 FUSE_MAX_PAGES_FIELD = 65535  # max_pages is a 16-bit field of the INIT reply
 
 
@@ -146,10 +145,10 @@ def allow_read_requests(want_bytes: int, limit_path: Path = MAX_PAGES_LIMIT) -> 
             limit_path.write_text(str(want))
         except OSError as e:
             log.info("FUSE read requests stay at %d KiB: cannot raise %s to %d (%s)",
-                     limit * PAGE_BYTES // 1024, limit_path, want, e.strerror)
+                     limit * PAGE_BYTES // KiB, limit_path, want, e.strerror)
         else:
             log.info("raised %s from %d to %d: reads are answered %d KiB at a time", limit_path,
-                     limit, want, want * PAGE_BYTES // 1024)
+                     limit, want, want * PAGE_BYTES // KiB)
             limit = want
     return min(want, limit) * PAGE_BYTES
 
