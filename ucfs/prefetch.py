@@ -329,21 +329,18 @@ class ObjectReader:
             try:
                 for i in range(first, last + 1):
                     blocks.append(await self._wait(i))
-                r = blocks[0].run
-                if r is not None and r.view is not None and all(b.run is r for b in blocks):
+                parts = _pieces(blocks, off, end, B)
+                if len(parts) == 1:
                     # Fetched by one GET, the blocks lie side by side in its buffer: answer with a
                     # view of it. A copy would cost a fresh 1 MiB buffer (256 page faults) and a
                     # memcpy, for every read the kernel does not align to our blocks.
-                    out = r.view[off - r.first * B:end - r.first * B]
-                    viewed = True
+                    out, viewed = parts[0], True
+                elif pieces:
+                    self.stats["read_pieces"] += 1
+                    out, viewed = parts, True
                 else:
-                    parts = _pieces(blocks, off, end, B)
-                    if pieces:
-                        self.stats["read_pieces"] += 1
-                        out, viewed = parts, True
-                    else:
-                        self.stats["read_joins"] += 1
-                        out = b"".join(parts)
+                    self.stats["read_joins"] += 1
+                    out = b"".join(parts)
             finally:
                 if viewed:
                     self._let_go_after_reply(blocks)
