@@ -126,7 +126,7 @@ FUSE_DEFAULT_MAX_PAGES = 256
 FUSE_MAX_PAGES_FIELD = 65535  # max_pages is a 16-bit field of the INIT reply
 
 
-def allow_read_requests(want_bytes: int, limit_path: Path = MAX_PAGES_LIMIT) -> int:
+def allow_read_requests(want_bytes: int, limit_path: Path = MAX_PAGES_LIMIT, *, can_ask: bool = True) -> int:
     """The largest read request the kernel will send us, raising its limit to `want_bytes` if we may.
 
     A FUSE server may ask for requests of up to fs.fuse.max_pages_limit pages (default 256: 1 MiB).
@@ -134,7 +134,12 @@ def allow_read_requests(want_bytes: int, limit_path: Path = MAX_PAGES_LIMIT) -> 
     daemon's work on the FUSE side of a 1 GiB cold read (perf: the reply writes 1,038 -> 537 samples,
     the interpreter 901 -> 517). The limit is the administrator's cap on what servers may ask, not
     a default anyone relies on; as root we raise it when it is lower than asked, and say so.
-    Otherwise we take what it allows."""
+    Otherwise we take what it allows.
+
+    `can_ask`: whether our INIT reply can ask for more than libfuse's 1 MiB at all (ucfs._fusewire
+    is built). Without it the limit is left as it is: raising a host-wide setting would buy nothing."""
+    if not can_ask:
+        return FUSE_DEFAULT_MAX_PAGES * PAGE_BYTES  # what libfuse asks for by itself
     want = min(max(1, want_bytes // PAGE_BYTES), FUSE_MAX_PAGES_FIELD)
     try:
         limit = int(limit_path.read_text())
@@ -338,7 +343,8 @@ async def serve(catalog: Catalog, cfg: MountConfig, opts: MountOptions,
             if cfg.allow_other:
                 options.add("allow_other")
             # Before the mount: the kernel takes max_pages_limit into the connection it makes then.
-            max_read = allow_read_requests(cfg.kernel_readahead_kib * KiB)
+            max_read = allow_read_requests(cfg.kernel_readahead_kib * KiB,
+                                           can_ask=core.passthrough.can_hook)
             pyfuse3.init(Operations(core), str(mountpoint), options)
             # Before main(), where the kernel's INIT is answered.
             core.passthrough.install(max_read)

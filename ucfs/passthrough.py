@@ -91,6 +91,11 @@ class Passthrough:
         self.hooked = True
 
     @property
+    def can_hook(self) -> bool:
+        """Whether `install` can hook libfuse's traffic at all (ucfs._fusewire is built)."""
+        return _fusewire is not None
+
+    @property
     def active(self) -> bool:
         return self.wanted and not self.broken and self.fd is not None and _fusewire.negotiated()
 
