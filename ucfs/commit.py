@@ -1378,8 +1378,15 @@ class Committer:
     async def renamed_locked(self, s: Staged) -> None:
         """`renamed`, for a caller that already holds the file's commit lock."""
         self._invalidate_stream(s, "renamed")
+        had = s.committed_generation
         s.committed_generation = -1  # whatever was committed went under the old name
         path = s.node.rel_path()
+        if s.flushed_generation < had:
+            # Content in the store that no close recorded (committed by fsync, or an unchanged copy
+            # of the object opened for writing): the old key goes, so it must now be committed under
+            # the new one like a closed file - durable and journaled first.
+            await run_disk(os.fdatasync, s.fd)
+            s.flushed_generation = had
         if s.flushed_generation >= 0:
             if s.rid is None:
                 s.rid = await self.journal.add(s.volume.full_name, path, s.path.name, s.size)

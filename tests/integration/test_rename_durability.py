@@ -1,0 +1,102 @@
+"""Renames and unlinks of files whose content is not simply "committed": committed by an fsync but
+still staged, opened for writing but not yet written, being committed while their directory moves,
+taken up from the journal after a crash, or killed right after an unlink.
+
+In each case the promise is the same (README "Semantics": Writes, Durability): what was closed or
+fsynced ends up in the store under the file's current name and nowhere else, and what was deleted
+stays deleted, across a SIGKILL too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+from tests.support import keys, wait_until
+
+MiB = 1 << 20
+
+
+def test_rename_of_a_stored_file_open_for_writing_keeps_it_in_the_store(mount, s3, bucket, prefix):
+    """`mv f g` while f, a stored object, is open for writing but not yet written (an editor, a log
+    opened r+): f is staged as a copy of the object that no close has recorded. The rename removes
+    the old key, so that copy must be committed under the new one at once, not when the writer
+    closes."""
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/f.txt", Body=b"existing content\n")
+    v = mount.path()
+    with open(v / "f.txt", "r+b"):
+        os.rename(v / "f.txt", v / "g.txt")
+        ok = wait_until(lambda: f"{prefix}/vol/g.txt" in keys(s3, bucket, f"{prefix}/vol/"), 10)
+        assert ok, keys(s3, bucket, f"{prefix}/vol/")
+
+
+def test_rename_of_an_fsynced_file_still_held_open_is_committed_under_the_new_name(mount_factory, s3, bucket, prefix):
+    """write, fsync, close, rename, while another handle (a reader) still has the file open. The
+    fsync committed the file in place, without a journal row; the rename takes the old key away, so
+    the content must be journaled and committed under the new name.
+    (--no-passthrough: a passthrough writer's close counts as a change, which would journal it anyway.)"""
+    mount = mount_factory(args=("--no-passthrough",))
+    v = mount.path()
+    data = os.urandom(300_000)
+    with open(v / "tmp.bin", "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())  # committed: durable in the store
+        reader = open(v / "tmp.bin", "rb")  # any other handle keeps the staging file
+    with reader:
+        os.rename(v / "tmp.bin", v / "final.bin")
+        ok = wait_until(lambda: f"{prefix}/vol/final.bin" in keys(s3, bucket, f"{prefix}/vol/"), 10)
+        assert ok, (keys(s3, bucket, f"{prefix}/vol/"), mount.status()["commits"])
+
+
+def test_rename_of_an_fsynced_file_survives_a_crash(mount_factory, s3, bucket, prefix):
+    mount = mount_factory(args=("--no-passthrough",))
+    v = mount.path()
+    data = os.urandom(300_000)
+    with open(v / "tmp.bin", "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+        reader = open(v / "tmp.bin", "rb")
+    os.rename(v / "tmp.bin", v / "final.bin")
+    time.sleep(1)
+    mount.kill()  # the reader's handle dies with the daemon
+    with contextlib.suppress(OSError):
+        reader.close()
+    mount.start()
+    assert (mount.path() / "final.bin").exists(), os.listdir(mount.path())  # fsynced data: never lost
+
+
+def test_write_fsync_close_rename_of_a_mid_sized_file_is_committed(mount_factory, s3, bucket, prefix):
+    """The atomic-save pattern (write tmp, fsync, close, rename) with no other handle. A file of 1 to
+    64 MiB committed by fsync stays staged for a moment after its close, while its blocks are put in
+    the cache (Committer._cache_committed_later): a rename right after the close finds it staged, and
+    must commit it under the new name."""
+    mount = mount_factory(args=("--no-passthrough",))
+    v = mount.path()
+    data = os.urandom(64 * MiB)
+    for i in range(3):
+        with open(v / f"tmp{i}", "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(v / f"tmp{i}", v / f"final{i}")
+    want = {f"{prefix}/vol/final{i}" for i in range(3)}
+    ok = wait_until(lambda: want <= set(keys(s3, bucket, f"{prefix}/vol/")), 10)
+    assert ok, (sorted(keys(s3, bucket, f"{prefix}/vol/")), mount.status()["commits"])
+
+
+def test_directory_rename_while_a_file_beneath_is_open_for_writing_keeps_the_file(mount, s3, bucket, prefix):
+    """A stored file opened for writing (not yet written) is staged as a copy of the object. The
+    rename of its directory leaves its object to the commit of that copy (no server-side copy) and
+    deletes the old key: so the copy must be committed under the new name at once."""
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/d/log.txt", Body=b"existing content\n")
+    v = mount.path()
+    f = open(v / "d" / "log.txt", "r+b")  # e.g. a log opened for append, an editor
+    try:
+        os.rename(v / "d", v / "d2")
+        ok = wait_until(lambda: f"{prefix}/vol/d2/log.txt" in keys(s3, bucket, f"{prefix}/vol/"), 10)
+        assert ok, keys(s3, bucket, f"{prefix}/vol/")
+    finally:
+        f.close()
