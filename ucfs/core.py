@@ -1006,6 +1006,9 @@ class Core:
             # No commit beneath may land under the old name while we move things: hold them all.
             for s in staged:
                 await stack.enter_async_context(s.commit_lock)
+            # A commit that finished while we waited for another file's lock may have retired its
+            # file: its object is in the store now, and is moved with the others.
+            staged = [s for s in staged if not s.retired and not s.dropped and s.node.staged is s]
             keys = []
             token = None
             while True:

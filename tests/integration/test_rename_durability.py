@@ -13,7 +13,7 @@ import contextlib
 import os
 import time
 
-from tests.support import keys, wait_until
+from tests.support import keys, obj, sync_dir, wait_until
 
 MiB = 1 << 20
 
@@ -100,3 +100,31 @@ def test_directory_rename_while_a_file_beneath_is_open_for_writing_keeps_the_fil
         assert ok, keys(s3, bucket, f"{prefix}/vol/")
     finally:
         f.close()
+
+
+def _write_out_of_order(path, data):
+    """Not front to back: no stream, so close() queues a whole-file commit that runs afterwards."""
+    with open(path, "wb") as f:
+        f.seek(len(data) - MiB)
+        f.write(data[-MiB:])
+        f.seek(0)
+        f.write(data[:-MiB])
+
+
+def test_directory_rename_while_children_commit_loses_none_of_them(mount_factory, s3, bucket, prefix):
+    """`mv d d2` while files beneath are being committed. The rename takes the files' commit locks
+    one by one; a file whose commit finishes while it waits for another's is done and let go. Its
+    object is then in the store under the old name, and must be moved like any committed file."""
+    mount = mount_factory(args=("--no-passthrough",))
+    v = mount.path()
+    (v / "d").mkdir()
+    big = os.urandom(160 * MiB)
+    small = os.urandom(24 * MiB)
+    _write_out_of_order(v / "d" / "big.bin", big)  # first in the committer's table; slow commit
+    _write_out_of_order(v / "d" / "small.bin", small)  # commit in flight, done long before big's
+    os.rename(v / "d", v / "d2")
+    sync_dir(v)
+    got = sorted(keys(s3, bucket, f"{prefix}/vol/"))
+    assert f"{prefix}/vol/d2/small.bin" in got, got
+    assert obj(s3, bucket, f"{prefix}/vol/d2/small.bin") == small
+    assert (v / "d2" / "small.bin").read_bytes() == small
