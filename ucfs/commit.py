@@ -210,6 +210,9 @@ class Staged:
     queued: bool = False
     fsync_waiters: int = 0
     dropped: bool = False  # unlinked: never commit
+    # Taken up from the journal at mount: its inode was made without asking the store, so an
+    # older object may be under its key that unlink/rename must still delete.
+    replayed: bool = False
     retired: bool = False  # staging file closed and removed; its fd number may belong to another file
     # The largest size the file has had (the kernel may still believe it), when it last finished
     # shrinking, and whether it is shrinking now: reads racing a truncate are told apart from reads
@@ -334,7 +337,7 @@ class Committer:
             fd = os.open(staging, os.O_RDWR)
             st = os.fstat(fd)
             s = Staged(node, vol, staging, fd, st.st_size, st.st_mtime_ns, rid=r.id, generation=1,
-                       flushed_generation=1, attempts=r.attempts, appends_only=False)
+                       flushed_generation=1, attempts=r.attempts, appends_only=False, replayed=True)
             node.staged = s
             self.staged[node.ino] = s
             self._enqueue(s)

@@ -854,9 +854,12 @@ class Core:
             log.debug("unlink %s (inode %d, staged %s)", node.mount_path(), node.ino, node.staged is not None)
         if node.etag and node.opens > 0 and node.staged is None:
             await self._keep_for_open_handles(node)
+        # A file taken up from the journal at mount was made without asking the store: an older
+        # object may be under its key all the same.
+        replayed = node.staged is not None and node.staged.replayed
         if node.staged is not None:
             await self.committer.drop(node.staged)
-        if node.etag:
+        if node.etag or replayed:  # the ETag as it is now: a commit may have finished meanwhile
             await self.store_for(vol).delete(vol.bucket, node.key)
         await self._forget_name(parent, node)
         self.stats["unlinks"] += 1
@@ -983,7 +986,7 @@ class Core:
             node.page_cache_etag = info.etag if node.page_cache_etag else None
             return
         # Local data: it is committed under the new name; whatever the old name held goes.
-        had_remote = bool(node.etag)
+        had_remote = bool(node.etag) or node.staged.replayed
         self.inodes.move(node, new_parent, new_name)
         # The replaced file's object stays under the new name until our commit overwrites it. The
         # node now stands for that object, so that an unlink (or another rename) before the commit
