@@ -1368,8 +1368,10 @@ class Committer:
             s.queued = False
             self._invalidate_stream(s, "dropped")
             if s.rid is not None:
-                self.journal.remove_nowait(s.rid)
-                s.rid = None
+                rid, s.rid = s.rid, None
+                # Durably before unlink/rename returns: a row left behind by a crash would bring
+                # the deleted file back, and publish it, at the next mount.
+                await self.journal.remove(rid)
             s.notify()
         self._maybe_retire(s)
 

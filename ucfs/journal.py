@@ -3,7 +3,9 @@
 One sqlite3 database (WAL, synchronous=FULL) in the state directory. A row is written, and made
 durable, when a file is closed with changes (after its staging file is fsynced): from then on a crash
 cannot lose it. The row is removed once the file is committed; that removal need not be durable at
-once (after a crash the commit is simply repeated, which is harmless).
+once (after a crash the commit is simply repeated, which is harmless). A row removed because its
+file was unlinked or replaced is removed durably before the unlink returns: a crash must not bring a
+deleted file back, and publish it, at the next mount.
 
 Writes are batched: whatever callers queue while a transaction is being written goes into the next
 one, so 64 files closed at once cost a few fsyncs, not 64. sqlite runs in one dedicated thread.
@@ -182,6 +184,10 @@ class Journal:
 
     def remove_upload_nowait(self, upload_id: str) -> None:
         self._enqueue("DELETE FROM uploads WHERE upload_id=?", (upload_id,), None)
+
+    async def remove(self, rid: int) -> None:
+        """Remove a row durably: for a file that must not come back (unlinked, replaced)."""
+        await self._execute("DELETE FROM pending WHERE id=?", (rid,))
 
     def remove_nowait(self, rid: int) -> None:
         self._enqueue("DELETE FROM pending WHERE id=?", (rid,), None)

@@ -150,3 +150,25 @@ def test_unlink_of_a_replayed_overwrite_removes_the_old_object(fault_proxy, moun
     time.sleep(1.5)  # past the metadata TTL
     assert not (m.path() / "f.txt").exists()
     assert f"{prefix}/vol/f.txt" not in keys(s3, bucket, f"{prefix}/vol/"), obj(s3, bucket, f"{prefix}/vol/f.txt")
+
+
+def test_a_file_unlinked_just_before_a_kill_stays_deleted(mount_factory):
+    """A file closed (so journaled) and then unlinked: its journal row must be gone for good once
+    unlink() returns, or a daemon killed right after brings the deleted file back, and uploads it, at
+    the next mount."""
+    m = mount_factory(args=("--no-passthrough",))
+    back = []
+    for i in range(5):
+        v = m.path()
+        fd = os.open(v / f"gone{i}", os.O_CREAT | os.O_WRONLY, 0o644)
+        os.write(fd, b"x" * 1000)
+        os.close(os.dup(fd))  # a close (flush): durable and journaled; still open, so not yet queued
+        os.unlink(v / f"gone{i}")
+        m.proc.send_signal(9)
+        m.kill()
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        m.start()
+        if (m.path() / f"gone{i}").exists():
+            back.append(i)
+    assert not back, f"deleted files back after a restart: {back}"
