@@ -31,6 +31,7 @@ import hmac
 import math
 import os
 import queue
+import re
 import select
 import socket
 import ssl
@@ -527,17 +528,47 @@ def parse_list(body: bytes | bytearray) -> ListResult:
     About a tenth of botocore's CPU for the same 1,000-entry page (a date parser per entry there):
     11 ms against 129 ms, measured side by side on a busy 2-core VM.
     """
-    root = ElementTree.fromstring(bytes(body))
+    body = bytes(body)
+    # Some servers (RGW) send the next key itself as the continuation token, unencoded whatever the
+    # encoding-type: a key with a control character is then a character reference XML 1.0 refuses.
+    # Take the token out before parsing, and unescape it ourselves.
+    raw_token = None
+    m = _TOKEN_RE.search(body)
+    if m is not None:
+        raw_token = _xml_unescape(m.group(1).decode())
+    body = _ECHO_RE.sub(b"", body)  # the token, and the one we sent (echoed back the same way)
+    root = ElementTree.fromstring(body)
     ns = _S3_NS if root.tag.startswith(_S3_NS) else ""
+    # Asked with encoding-type=url (keys with characters XML 1.0 cannot carry, such as control
+    # characters, would make the whole page unreadable): names come percent-encoded, '+' for space.
+    decode = (urllib.parse.unquote_plus if (root.findtext(f"{ns}EncodingType") or "").lower() == "url"
+              else (lambda x: x))
     objects = []
     for c in root.iterfind(f"{ns}Contents"):
         lm = c.findtext(f"{ns}LastModified") or ""
-        objects.append((c.findtext(f"{ns}Key") or "", int(c.findtext(f"{ns}Size") or 0),
+        objects.append((decode(c.findtext(f"{ns}Key") or ""), int(c.findtext(f"{ns}Size") or 0),
                         (c.findtext(f"{ns}ETag") or "").strip('"'), iso_mtime_ns(lm)))
-    prefixes = [p.findtext(f"{ns}Prefix") or "" for p in root.iterfind(f"{ns}CommonPrefixes")]
+    prefixes = [decode(p.findtext(f"{ns}Prefix") or "") for p in root.iterfind(f"{ns}CommonPrefixes")]
     truncated = (root.findtext(f"{ns}IsTruncated") or "").lower() == "true"
-    token = root.findtext(f"{ns}NextContinuationToken") if truncated else None
+    token = raw_token if truncated else None
     return ListResult(objects, prefixes, token or None)
+
+
+_TOKEN_RE = re.compile(rb"<NextContinuationToken>(.*?)</NextContinuationToken>", re.S)
+_ECHO_RE = re.compile(rb"<(NextContinuationToken|ContinuationToken|StartAfter)>.*?</\1>", re.S)
+_ENTITY_RE = re.compile(r"&(#x[0-9a-fA-F]+|#[0-9]+|amp|lt|gt|quot|apos);")
+_ENTITIES = {"amp": "&", "lt": "<", "gt": ">", "quot": '"', "apos": "'"}
+
+
+def _xml_unescape(text: str) -> str:
+    def one(m: re.Match) -> str:
+        ref = m.group(1)
+        if ref.startswith("#x"):
+            return chr(int(ref[2:], 16))
+        if ref.startswith("#"):
+            return chr(int(ref[1:]))
+        return _ENTITIES[ref]
+    return _ENTITY_RE.sub(one, text)
 
 
 def iso_mtime_ns(value: str) -> int:

@@ -420,7 +420,7 @@ class S3Store:
     def list_page(self, bucket: str, prefix: str, *, delimiter: str = "/", token: str | None = None,
                   max_keys: int = 1000) -> ListPage:
         if self._lean is not None:
-            query = {"list-type": "2", "prefix": prefix, "max-keys": str(max_keys)}
+            query = {"list-type": "2", "prefix": prefix, "max-keys": str(max_keys), "encoding-type": "url"}
             if delimiter:
                 query["delimiter"] = delimiter
             if token:
