@@ -97,6 +97,7 @@ class DirHandle:
     inode: Inode
     entries: list[tuple[str, Entry | Kind]]  # snapshot taken at opendir
     opened_at: float = field(default_factory=time.monotonic)
+    as_of: float = 0.0  # when the listing the snapshot came from was asked for
 
 
 @dataclass(eq=False)
@@ -134,11 +135,11 @@ class Core:
         # Reads spanning several fetches may come back in pieces (a tuple), which fs answers with
         # Passthrough.vector_reply: set by mount once that is in place.
         self.vectored_replies = False
-        # What this mount changed itself, and when (time.monotonic()). A store answer obtained
-        # before a local change - a listing, probe or HEAD still on its way when a commit, rename,
-        # create or unlink happened, or an opendir's snapshot read later - is older than what we
-        # know, and must not undo the change (stale attributes would serve an old version from the
-        # cache; a stale name would bring a deleted file back).
+        # What this mount changed itself, or last learned from a HEAD, and when (time.monotonic();
+        # for a HEAD, when it was sent). A store answer obtained before that - a listing, probe or
+        # HEAD still on its way when a commit, rename, create or unlink happened, or an opendir's
+        # snapshot read later - is older than what we know, and must not undo it (stale attributes
+        # would serve an old version from the cache; a stale name would bring a deleted file back).
         self._changed_at: weakref.WeakKeyDictionary[Inode, float] = weakref.WeakKeyDictionary()
         self._removed_at: dict[tuple[int, str], float] = {}  # (parent inode, name) -> when
 
@@ -282,8 +283,8 @@ class Core:
             # A listing is kept up to date with our own changes (see refresh_listing and commits).
             entry = listing.entries.get(name)
             if entry is None:
-                return self._pending_local(parent, name)
-            return self._apply_entry(parent, name, entry)
+                return self._pending_local(parent, name, listing.as_of)
+            return self._apply_entry(parent, name, entry, listing.as_of)
         entry, seen_at = await self._probe(vol, key)
         if entry is None or self._removed_since(parent, name, seen_at):
             return self._pending_local(parent, name, seen_at)
@@ -406,8 +407,8 @@ class Core:
             started = time.monotonic()
             entries, marker = await self._list_all(parent)
             self._overlay_local(parent, entries, started)
-            parent.listing = Listing(entries, time.monotonic(), marker)
-            self._reconcile(parent, entries)
+            parent.listing = Listing(entries, time.monotonic(), marker, asked_at=started)
+            self._reconcile(parent, entries, started)
             return parent.listing
         finally:
             parent.listing_refresh = None
@@ -448,12 +449,14 @@ class Core:
             if token is None:
                 return entries, marker
 
-    def _reconcile(self, parent: Inode, entries: dict[str, Entry]) -> None:
-        """Bring known children in line with a fresh listing."""
+    def _reconcile(self, parent: Inode, entries: dict[str, Entry], since: float) -> None:
+        """Bring known children in line with a fresh listing (true as of `since`)."""
         expires = time.monotonic() + self.cfg.metadata_ttl_s
         for name, node in list(parent.children_by_name.items()):
             if node.staged is not None or node.creating:
                 continue
+            if self._changed_since(node, since):
+                continue  # known from a newer answer (a HEAD sent after the LIST) or our own change
             entry = entries.get(name)
             if entry is None or entry.is_dir != (node.kind is not Kind.FILE):
                 log.debug("listing of %s: %s %s", parent.mount_path(), name,
@@ -469,6 +472,7 @@ class Core:
         if not node.kind.is_dir:
             raise errors.fs_error(errors.ENOTDIR)
         entries: list[tuple[str, Entry | Kind]]
+        as_of = time.monotonic()  # the catalog's names are true now; a listing's, as of its LIST
         if node.kind is Kind.ROOT:
             names = sorted({c for (c, _, _), v in self.catalog.volumes.items() if self._visible(v, caller)})
             entries = [(n, Kind.CATALOG) for n in names]
@@ -485,13 +489,14 @@ class Core:
             listing = node.listing
             if listing is None or not listing.fresh(self.cfg.metadata_ttl_s):
                 listing = await self.refresh_listing(node)
+            as_of = listing.as_of
             merged = dict(listing.entries)
             for name, child in node.children_by_name.items():
                 if child.staged is not None:
                     merged[name] = Entry(False, child.staged.size, "", child.staged.mtime_ns)
             entries = sorted(merged.items())
         fh = next(self._next_fh)
-        self._handles[fh] = DirHandle(node, entries)
+        self._handles[fh] = DirHandle(node, entries, as_of=as_of)
         node.opens += 1
         return fh
 
@@ -517,7 +522,8 @@ class Core:
                 if self._removed_since(parent, name, h.opened_at) and name not in parent.children_by_name:
                     continue
                 current = parent.listing.entries.get(name) if parent.listing is not None else None
-                node = self._apply_entry(parent, name, current or what, h.opened_at)
+                seen_at = parent.listing.as_of if current is not None else h.as_of
+                node = self._apply_entry(parent, name, current or what, seen_at)
             yield idx, name, self.attributes(node)
 
     def entry_accepted(self, ino: int, accepted: bool) -> None:
@@ -569,6 +575,9 @@ class Core:
             return  # we changed it while the HEAD was on its way: what we know is newer
         node.size, node.etag, node.mtime_ns = info.size, info.etag, info.mtime_ns
         node.attr_expires = time.monotonic() + self.cfg.metadata_ttl_s
+        # What this HEAD said is newer than any listing or probe sent before it: those must not
+        # bring back an older version when they arrive (or are read from a directory handle) later.
+        self._changed_at[node] = max(self._changed_at.get(node, float("-inf")), started)
 
     # -- open / read / release ------------------------------------------------------------------
     async def open(self, ino: int, flags: int, caller: Caller | None = None) -> tuple[int, bool]:

@@ -56,6 +56,11 @@ class Listing:
     entries: dict[str, Entry]
     fetched_at: float  # time.monotonic()
     marker: bool = False  # the directory has its own marker object ("dir/"), so it outlives its contents
+    asked_at: float | None = None  # when the LIST was sent: what it says is true as of then
+
+    @property
+    def as_of(self) -> float:
+        return self.fetched_at if self.asked_at is None else self.asked_at
 
     def fresh(self, ttl_s: float) -> bool:
         return time.monotonic() - self.fetched_at <= ttl_s

@@ -241,6 +241,31 @@ def test_remote_changes_are_seen_within_the_ttl(mount, s3, bucket, prefix):
         open(p, "rb")
 
 
+def test_an_older_directory_listing_never_brings_back_an_older_version(mount, s3, bucket, prefix):
+    """Once this host has seen a change, answers the store gave before it (a directory handle's
+    listing taken earlier, a LIST sent before the HEAD that saw the change) must not put the old
+    version back: the next open would read it from the disk cache."""
+    key = f"{prefix}/vol/d/f.bin"
+    v1, v2 = b"1" * 100_000, b"2" * 100_000
+    s3.put_object(Bucket=bucket, Key=key, Body=v1)
+    d = mount.path() / "d"
+    assert os.listdir(d) == ["f.bin"]
+    fd = os.open(d / "f.bin", os.O_RDONLY)
+    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)  # opendir: a snapshot of the listing (v1)
+    try:
+        assert os.pread(fd, len(v1), 0) == v1  # v1 is now in the disk cache
+        s3.put_object(Bucket=bucket, Key=key, Body=v2)
+        time.sleep(1.3)  # past the metadata TTL
+        os.fstat(fd)  # getattr: a HEAD finds v2
+        assert (d / "f.bin").read_bytes() == v2  # the change is visible
+        with os.scandir(dfd) as it:  # a slow `ls` or os.walk reading the handle opened before
+            assert [e.name for e in it] == ["f.bin"]
+        assert (d / "f.bin").read_bytes() == v2, "the old version came back after the new one was seen"
+    finally:
+        os.close(dfd)
+        os.close(fd)
+
+
 def test_open_handle_keeps_reading_its_version_from_cache(mount, s3, bucket, prefix):
     """Close-to-open: a handle opened before a change finishes the version it opened."""
     key = f"{prefix}/vol/v.bin"
