@@ -268,7 +268,11 @@ class Core:
         vol = parent.volume
         assert vol is not None
         key = parent.dir_prefix + name
-        if len(key.encode()) > 1024:
+        try:
+            key_bytes = key.encode()
+        except UnicodeEncodeError:
+            return None  # not UTF-8: no object key can have this name (and none can be made: EINVAL)
+        if len(key_bytes) > 1024:
             raise errors.fs_error(errors.ENAMETOOLONG, "object key would be longer than 1024 bytes")
         existing = parent.children_by_name.get(name)
         if existing is not None and existing.staged is not None:

@@ -49,6 +49,16 @@ def test_names_over_255_bytes_are_enametoolong(mount, s3, bucket, prefix):
     assert keys(s3, bucket, f"{prefix}/vol/") == sorted([f"{prefix}/vol/ok.txt", f"{prefix}/vol/{'m' * 255}"])
 
 
+def test_a_name_that_is_not_utf8_does_not_exist_and_cannot_be_made(mount):
+    """Object keys are UTF-8: no object can have such a name, so looking it up is ENOENT (not EIO
+    with a traceback in the log), and making one is EINVAL."""
+    v = os.fsencode(mount.path())
+    for path in (v + b"/\xff", v + b"/sub\xe9.txt"):
+        assert errno_of(lambda: os.stat(path)) == errno.ENOENT
+        assert errno_of(lambda: open(path, "wb")) == errno.EINVAL
+    assert "Traceback" not in mount.log_path.read_text(errors="replace")
+
+
 def test_keys_over_1024_bytes_are_enametoolong_and_never_half_made(mount, s3, bucket, prefix):
     v = mount.path()
     base = f"{prefix}/vol/"
