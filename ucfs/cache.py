@@ -396,19 +396,24 @@ class BlockCache:
         """Reserve `size` bytes, evicting first, so the cache never exceeds its limit even with writes
         in flight. False when it cannot be done (everything left is pinned)."""
         with self._room_lock:
+            fresh = False  # the free-space estimate ignores what others freed, and what we evict
             while True:
                 with self._lock:
                     fits = self._used + size <= self.size_bytes
-                if fits and self._free_bytes() - size >= self.free_floor_bytes:
-                    with self._lock:
-                        self._used += size
-                    return True
+                if fits:
+                    if self._free_bytes(fresh) - size >= self.free_floor_bytes:
+                        with self._lock:
+                            self._used += size
+                        return True
+                    if not fresh:
+                        fresh = True  # short of room by the estimate: look at the disk before evicting
+                        continue
                 if not self._evict_one():
                     return False
 
-    def _free_bytes(self) -> int:
-        """Free space on the cache's disk, looked up again every 64 MiB written."""
-        if self._written - self._free_checked_at >= 64 << 20 or not self._free_cached:
+    def _free_bytes(self, fresh: bool = False) -> int:
+        """Free space on the cache's disk, looked up again every 64 MiB written (or when `fresh`)."""
+        if fresh or self._written - self._free_checked_at >= 64 << 20 or not self._free_cached:
             st = os.statvfs(self.root)
             self._free_cached = st.f_bavail * st.f_frsize
             self._free_checked_at = self._written
@@ -426,11 +431,15 @@ class BlockCache:
     def _evict(self) -> bool:
         """Evict LRU unpinned segments until under the size limit and above the free floor."""
         with self._room_lock:
+            fresh = False
             while True:
                 with self._lock:
                     over = self._used > self.size_bytes
-                if not over and self._free_bytes() >= self.free_floor_bytes:
+                if not over and self._free_bytes(fresh) >= self.free_floor_bytes:
                     return True
+                if not over and not fresh:
+                    fresh = True  # look at the disk itself before evicting for the floor
+                    continue
                 if not self._evict_one():
                     return False
 

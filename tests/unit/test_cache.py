@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import types
 
 import pytest
 
+from ucfs import cache as cache_mod
 from ucfs.cache import HEADER_BYTES, LAYOUT, BlockCache, ObjectVersion
 from ucfs.errors import UcfsError
 
@@ -171,3 +173,34 @@ def test_refuses_a_directory_others_can_write(tmp_path):
 def test_new_cache_directory_is_private(tmp_path):
     make(tmp_path)
     assert (tmp_path / "c").stat().st_mode & 0o777 == 0o700
+
+
+def fake_disk(monkeypatch, root, free_outside):
+    """statvfs of a disk whose free space is free_outside[0] minus what the cache holds on it."""
+    def statvfs(path):
+        used = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+        return types.SimpleNamespace(f_bavail=max(0, free_outside[0] - used) // 4096, f_frsize=4096)
+    monkeypatch.setattr(cache_mod.os, "statvfs", statvfs)
+
+
+def test_the_free_space_floor_evicts_only_what_it_needs(tmp_path, monkeypatch):
+    floor = 100 * MiB
+    free = [floor + 4 * MiB + 512 * 1024]  # room above the floor for 4 one-MiB segments, not 5
+    fake_disk(monkeypatch, tmp_path / "c", free)
+    c = make(tmp_path, size=1 << 40, floor=floor)
+    for i in range(4):
+        assert c.put_block(v(), i, os.urandom(MiB))
+    # A fifth block: evicting the least recently used one makes room above the floor. (The free
+    # space was estimated from what was written, so evicting never raised it: everything went.)
+    assert c.put_block(v(), 4, os.urandom(MiB))
+    assert [i for i in range(5) if c.contains(v(), i)] == [1, 2, 3, 4]
+
+
+def test_space_freed_elsewhere_on_the_disk_is_used_again(tmp_path, monkeypatch):
+    floor = 100 * MiB
+    free = [floor + MiB // 2]  # the disk is short of room: nothing can be kept
+    fake_disk(monkeypatch, tmp_path / "c", free)
+    c = make(tmp_path, size=1 << 40, floor=floor)
+    assert not c.put_block(v(), 0, os.urandom(MiB))
+    free[0] = 100 * 1024 * MiB  # someone deleted 100 GiB elsewhere on the disk
+    assert c.put_block(v(), 1, os.urandom(MiB)), "the cache never looked at the free space again"
