@@ -89,8 +89,14 @@ def ensure_private_dir(path: Path) -> Path:
 
     A cache or staging directory others can write to would let them feed us forged data.
     """
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    st = path.stat()
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = path.stat()
+    except OSError as e:
+        why = "not a directory" if e.errno in (errno.EEXIST, errno.ENOTDIR) else e.strerror
+        raise UcfsError(f"{path}: cannot use it as a cache directory: {why}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise UcfsError(f"{path}: cannot use it as a cache directory: not a directory")
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise UcfsError(f"{path}: refusing a cache directory that other users can write to "
                         f"(mode {stat.filemode(st.st_mode)}); chmod 700 it or choose another --cache-dir")

@@ -7,9 +7,11 @@ tracebacks are for bugs.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import logging.handlers
+import math
 import os
 import shutil
 import subprocess
@@ -83,6 +85,14 @@ def _load_catalog(args) -> Catalog:
     return Catalog.embedded(demo)
 
 
+def _seconds(flag: str, value: float, *, zero_ok: bool) -> float:
+    """A duration given on the command line: finite, not negative (and not zero unless allowed)."""
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        least = "0 or more" if zero_ok else "more than 0"
+        raise UcfsError(f"{flag} {value:g}: give a number of seconds, {least}")
+    return value
+
+
 def _mount_config(args) -> MountConfig:
     kw = {}
     if args.cache_dir:
@@ -90,7 +100,7 @@ def _mount_config(args) -> MountConfig:
     if args.cache_size:
         kw["cache_size_bytes"] = parse_size(args.cache_size)
     if args.metadata_ttl is not None:
-        kw["metadata_ttl_s"] = args.metadata_ttl
+        kw["metadata_ttl_s"] = _seconds("--metadata-ttl", args.metadata_ttl, zero_ok=True)
     if args.allow_other:
         kw["allow_other"] = True
     if args.min_free:
@@ -98,8 +108,10 @@ def _mount_config(args) -> MountConfig:
     if args.memory_budget:
         kw["readahead_budget_bytes"] = parse_size(args.memory_budget)
     if args.store_timeout is not None:
-        kw["store_read_timeout_s"] = args.store_timeout
+        kw["store_read_timeout_s"] = _seconds("--store-timeout", args.store_timeout, zero_ok=False)
     if args.metrics_port:
+        if not 0 < args.metrics_port < 65536:
+            raise UcfsError(f"--metrics-port {args.metrics_port}: a TCP port is 1 to 65535")
         kw["metrics_port"] = args.metrics_port
     if args.no_passthrough:
         kw["passthrough"] = False
@@ -139,7 +151,11 @@ def _run_mount(catalog, cfg, opts, ready) -> None:
 
 def _daemonize(catalog, cfg, opts, log_level: str) -> int:
     """Fork; the child mounts and tells the parent over a pipe once the mount is ready (or why not)."""
-    opts.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        opts.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as e:
+        why = "not a directory" if e.errno in (errno.EEXIST, errno.ENOTDIR) else e.strerror
+        raise UcfsError(f"{opts.state_dir}: cannot use it as a cache directory: {why}") from None
     logfile = opts.state_dir / "ucfs.log"
     r, w = os.pipe()
     pid = os.fork()

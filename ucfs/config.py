@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,8 +141,10 @@ class MountConfig:
             raise ValueError("part_bytes must be a positive multiple of block_bytes")
         if self.readahead_max_bytes < self.part_bytes:
             raise ValueError("readahead_max_bytes must be at least part_bytes")
-        if self.metadata_ttl_s < 0:
-            raise ValueError("metadata_ttl_s must not be negative")
+        if not math.isfinite(self.metadata_ttl_s) or self.metadata_ttl_s < 0:
+            raise ValueError("metadata_ttl_s must be a finite number of seconds, not negative")
+        if not math.isfinite(self.store_read_timeout_s) or self.store_read_timeout_s <= 0:
+            raise ValueError("store_read_timeout_s must be a finite number of seconds, more than 0")
 
     def replace(self, **changes) -> "MountConfig":
         return dataclasses.replace(self, **changes)
@@ -159,6 +162,8 @@ def parse_size(text: str) -> int:
         value = float(s)
     except ValueError:
         raise ValueError(f"not a size: {text!r} (try e.g. 10G, 512M, 4096)") from None
+    if not math.isfinite(value):
+        raise ValueError(f"not a size: {text!r} (try e.g. 10G, 512M, 4096)")
     if value < 0:
         raise ValueError(f"size must not be negative: {text!r}")
     return int(value * mult)

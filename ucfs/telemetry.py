@@ -24,6 +24,8 @@ from typing import Callable
 
 import trio
 
+from .errors import UcfsError
+
 log = logging.getLogger(__name__)
 
 # How often the watchdog looks; stalls much shorter than this are invisible, which is fine: the
@@ -222,6 +224,9 @@ async def serve_metrics(port: int, status: Callable[[], dict], *, task_status=tr
             except trio.BrokenResourceError:
                 pass
 
-    listeners = await trio.open_tcp_listeners(port, host="127.0.0.1")
+    try:
+        listeners = await trio.open_tcp_listeners(port, host="127.0.0.1")
+    except OSError as e:
+        raise UcfsError(f"metrics port 127.0.0.1:{port}: {e.strerror or e}") from None
     task_status.started(listeners[0].socket.getsockname()[1])
     await trio.serve_listeners(handle, listeners)

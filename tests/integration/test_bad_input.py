@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -327,3 +328,58 @@ def test_a_malformed_catalog_is_one_message_naming_file_and_line(tmp_path, case)
     assert lines[0].startswith(f"ucfs: {cat}:{line}: "), lines[0]
     assert words in lines[0], lines[0]
     assert not (tmp_path / "state").exists()  # refused before anything was made
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad mount options
+
+
+OPTIONS = {
+    # name: (arguments, words the one message must contain); {file} is a regular file, {busy} a port in use
+    "cache size inf": (["--cache-size", "inf"], "not a size"),
+    "memory budget 1e400": (["--memory-budget", "1e400"], "not a size"),
+    "min free inf": (["--min-free", "infG"], "not a size"),
+    "cache dir is a file": (["--cache-dir", "{file}"], "not a directory"),
+    "cache dir under a file": (["--cache-dir", "{file}/sub"], "not a directory"),
+    "metrics port negative": (["--metrics-port", "-3"], "1 to 65535"),
+    "metrics port too large": (["--metrics-port", "70000"], "1 to 65535"),  # was served on 70000 % 65536
+    "metrics port in use": (["--metrics-port", "{busy}"], "in use"),
+    "metadata ttl nan": (["--metadata-ttl", "nan"], "--metadata-ttl"),
+    "metadata ttl negative": (["--metadata-ttl", "-1"], "--metadata-ttl"),
+    "store timeout zero": (["--store-timeout", "0"], "--store-timeout"),
+    "store timeout inf": (["--store-timeout", "inf"], "--store-timeout"),
+}
+
+
+@pytest.mark.parametrize("daemon", [False, True], ids=["foreground", "daemon"])
+@pytest.mark.parametrize("case", sorted(OPTIONS))
+def test_a_bad_mount_option_is_one_message_and_no_mount(tmp_path, case, daemon):
+    args, words = OPTIONS[case]
+    data = tmp_path / "data"
+    data.mkdir()
+    cat = tmp_path / "catalog.toml"
+    cat.write_text(f'[volumes."a.b.c"]\nlocation = "{data}"\n')
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    args = [a.format(file=afile, busy=busy.getsockname()[1]) for a in args]
+    if "--cache-dir" not in args:
+        args += ["--cache-dir", str(tmp_path / "state")]
+    mnt = tmp_path / "mnt"
+    try:
+        r = subprocess.run([sys.executable, "-m", "ucfs", "mount", str(mnt), "--config", str(cat), *args,
+                            *(() if daemon else ("--foreground",))],
+                           capture_output=True, text=True, timeout=60, cwd=REPO)
+        mounted = os.path.ismount(mnt)
+    finally:
+        busy.close()
+        if os.path.ismount(mnt):
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
+    assert not mounted, "the mount came up with this option"
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.strip().splitlines() if " INFO " not in ln and " DEBUG " not in ln]
+    assert len(lines) == 1 and lines[0].startswith("ucfs: "), r.stderr[-800:]  # one message, no traceback
+    assert words in lines[0], lines[0]
+
