@@ -771,6 +771,15 @@ class Committer:
                     s.rid = await self.journal.add(s.volume.full_name, path, s.path.name, s.size)
                 else:
                     await self.journal.mark_ready(s.rid, s.size, path)
+                # While the row was written, the file may have been renamed or unlinked, and that
+                # found no row to change: the row must not publish it under the old name, or bring
+                # it back, after a crash.
+                if s.dropped:
+                    rid, s.rid = s.rid, None
+                    await self.journal.remove(rid)
+                    return
+                if s.node.rel_path() != path:
+                    await self.journal.rename(s.rid, s.node.rel_path())
                 s.flushed_generation = max(s.flushed_generation, gen)
                 if s.error is not None and s.error.errno != errors.ENOSPC:
                     s.error = None  # new data: try again

@@ -218,3 +218,76 @@ def test_creates_take_staging_files_made_ahead_and_none_is_left_behind(tmp_path)
         assert not [p.name for p in staging.iterdir() if p.name.startswith(commit_mod.SPARE_PREFIX)]
 
     trio.run(main)
+
+
+def _gate_journal_adds(committer):
+    """Make the journal's `add` wait at `gate` (entered: `entered`), as a slow disk would."""
+    entered, gate = trio.Event(), trio.Event()
+    add = committer.journal.add
+
+    async def gated_add(*args):
+        entered.set()
+        await gate.wait()
+        return await add(*args)
+
+    committer.journal.add = gated_add
+    return entered, gate
+
+
+def test_a_rename_while_a_close_writes_its_journal_row_moves_the_row(tmp_path):
+    """The first close of a file writes its journal row; a rename meanwhile finds no row to
+    change. The row must still end up naming the new path: after a crash, the replay publishes
+    what the row says."""
+    store = GatedStore()
+
+    async def main():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, _cfg(tmp_path))
+            fh = await _write(core, vol, "old.bin", b"content")
+            entered, gate = _gate_journal_adds(committer)
+            n.start_soon(core.flush, fh)
+            await entered.wait()
+            await core.rename(vol, "old.bin", vol, "new.bin")
+            gate.set()
+            with trio.fail_after(10):
+                while core.file_handle(fh).staged.flushed_generation < 0:
+                    await trio.sleep(0.01)
+            assert [r.path for r in committer.journal.records()] == ["new.bin"]
+            await core.release(fh)
+            await committer.shutdown(drain=True)
+            assert _stored(store, "new.bin") == b"content" and _stored(store, "old.bin") is None
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_an_unlink_while_a_close_writes_its_journal_row_leaves_no_row(tmp_path):
+    """An unlink meanwhile finds no row to remove: the row written after it must go, or a crash
+    would bring the deleted file back at the next mount."""
+    store = GatedStore()
+
+    async def main():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, _cfg(tmp_path))
+            fh = await _write(core, vol, "gone.bin", b"content")
+            entered, gate = _gate_journal_adds(committer)
+            done = trio.Event()
+
+            async def close():
+                await core.flush(fh)
+                done.set()
+
+            n.start_soon(close)
+            await entered.wait()
+            await core.unlink(vol, "gone.bin")
+            gate.set()
+            with trio.fail_after(10):
+                await done.wait()
+            assert committer.journal.records() == []
+            await core.release(fh)
+            await committer.shutdown(drain=True)
+            assert _stored(store, "gone.bin") is None
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
