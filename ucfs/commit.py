@@ -210,6 +210,9 @@ class Staged:
     queued: bool = False
     fsync_waiters: int = 0
     dropped: bool = False  # unlinked: never commit
+    # A rename or unlink waits for the commit lock: the commit holding it gives up at its next part
+    # (and is queued again) rather than finish an upload under a name that is going away.
+    abandon: bool = False
     # Taken up from the journal at mount: its inode was made without asking the store, so an
     # older object may be under its key that unlink/rename must still delete.
     replayed: bool = False
@@ -863,6 +866,7 @@ class Committer:
         """Commit s's current content in the caller's time: True once it is in the store. On any
         failure return False, and leave the file for the durable path (flush, the workers' retries)."""
         async with s.commit_lock:
+            s.abandon = False
             if s.dropped or s.node.staged is not s:
                 return False
             if not s.dirty:
@@ -901,6 +905,7 @@ class Committer:
         while True:
             s = await self._next()
             async with s.commit_lock:
+                s.abandon = False  # whoever asked has had the lock by now (or gave up waiting)
                 if s.dropped or not s.dirty or s.flushed_generation < 0 or s.node.staged is not s:
                     continue
                 try:
@@ -1034,7 +1039,7 @@ class Committer:
         gen = s.generation  # a change from here on ends the caching (_part_data: _Changed)
         off = 0
         try:
-            while off < s.size:
+            while off < s.size and not s.abandon:  # optional work: a rename or unlink goes first
                 n = min(P, s.size - off)
                 async with self._caching, self._part_data(s, None, off, n, gen, in_memory=True) as data:
                     if len(data) != n:
@@ -1117,6 +1122,8 @@ class Committer:
 
             async def one(n: int, off: int, length: int) -> None:
                 async with sem, self._part_slots:
+                    if s.abandon:
+                        raise _Changed("renamed or unlinked while its parts were uploaded")
                     async with self._part_data(s, store, off, length, gen) as data:
                         parts[n] = await store.upload_part(vol.bucket, key, upload_id, n, data, length)
 
@@ -1129,6 +1136,8 @@ class Committer:
             async with s.lock:
                 if s.generation != gen:
                     raise _Changed("written while its parts were uploaded")
+            if s.abandon:
+                raise _Changed("renamed or unlinked while its parts were uploaded")
             info = await store.complete_multipart(vol.bucket, key, upload_id, sorted(parts.items()))
             self.journal.remove_upload_nowait(upload_id)
             self.stats["multipart"] += 1
@@ -1355,6 +1364,8 @@ class Committer:
                                else "its stream was abandoned")
             if st.verify:
                 await self._verify_stream(s, st, store)
+            if s.abandon:
+                raise _Changed("renamed or unlinked while its stream was finished")
             if tail > 0:
                 st.parts[st.next_part] = await store.upload_part(vol.bucket, st.key, st.upload_id,
                                                                  st.next_part, data, tail)
@@ -1369,9 +1380,23 @@ class Committer:
         return info, gen
 
     # -- namespace changes of staged files --------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def namespace_lock(self, s: Staged):
+        """s's commit lock, for a rename or an unlink of the file (or of a directory above it).
+
+        A commit that holds the lock now is asked to give up at its next part: its upload goes to
+        a name that is about to change or vanish, and finishing it first would keep `mv` or `rm`
+        (and the directory, which the kernel locks meanwhile) waiting for the whole upload - and
+        the file would then be uploaded again under its new name anyway."""
+        if s.commit_lock.locked():
+            s.abandon = True
+        async with s.commit_lock:
+            s.abandon = False
+            yield
+
     async def drop(self, s: Staged) -> None:
         """The file was unlinked or replaced: never commit it; its data goes with its last handle."""
-        async with s.commit_lock:
+        async with self.namespace_lock(s):
             s.dropped = True
             self._queue.pop(id(s), None)
             s.queued = False
@@ -1386,11 +1411,11 @@ class Committer:
 
     async def renamed(self, s: Staged) -> None:
         """The file now has another key: its content must be committed there."""
-        async with s.commit_lock:
+        async with self.namespace_lock(s):
             await self.renamed_locked(s)
 
     async def renamed_locked(self, s: Staged) -> None:
-        """`renamed`, for a caller that already holds the file's commit lock."""
+        """`renamed`, for a caller that already holds the file's commit lock (`namespace_lock`)."""
         self._invalidate_stream(s, "renamed")
         had = s.committed_generation
         s.committed_generation = -1  # whatever was committed went under the old name

@@ -1020,8 +1020,12 @@ class Core:
                   if not s.dropped and s.volume is vol and s.node.key.startswith(old_prefix)]
         async with contextlib.AsyncExitStack() as stack:
             # No commit beneath may land under the old name while we move things: hold them all.
+            # Ask every commit in progress to give up first, not one after the other.
             for s in staged:
-                await stack.enter_async_context(s.commit_lock)
+                if s.commit_lock.locked():
+                    s.abandon = True
+            for s in staged:
+                await stack.enter_async_context(self.committer.namespace_lock(s))
             # A commit that finished while we waited for another file's lock may have retired its
             # file: its object is in the store now, and is moved with the others.
             staged = [s for s in staged if not s.retired and not s.dropped and s.node.staged is s]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 
+import pytest
 import trio
 
 from ucfs import commit as commit_mod
@@ -291,3 +292,56 @@ def test_an_unlink_while_a_close_writes_its_journal_row_leaves_no_row(tmp_path):
 
     trio.run(main)
 
+
+@pytest.mark.parametrize("op", ["rename", "unlink"])
+def test_a_rename_or_unlink_does_not_wait_for_the_whole_upload_of_the_file(tmp_path, op):
+    """`mv` or `rm` of a file whose upload is under way: the upload goes to a name that is going
+    away, so it gives up after the parts already on their way (a renamed file is then uploaded
+    under its new name), instead of keeping the rename or unlink - and the directory, locked by the
+    kernel meanwhile - waiting until every part is sent. Nothing is published under the old name."""
+    store = GatedStore()
+    parts_by_key = {}
+    upload_part = store.upload_part
+
+    def counting_upload_part(bucket, key, *args, **kw):
+        parts_by_key[key] = parts_by_key.get(key, 0) + 1
+        return upload_part(bucket, key, *args, **kw)
+
+    store.upload_part = counting_upload_part
+    store.gate.clear()
+    data = os.urandom(64 * MiB)  # 64 parts of 1 MiB
+
+    async def main():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, _cfg(tmp_path))
+            fh, _ = await core.create(vol, "old.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            await core.write(fh, len(data) - MiB, data[-MiB:])  # not front to back: no stream
+            for off in range(0, len(data) - MiB, MiB):
+                await core.write(fh, off, data[off:off + MiB])
+            await core.flush(fh)
+            await core.release(fh)  # queued: a worker starts the multipart upload
+            with trio.fail_after(10):
+                while store.parts_waiting < 1:
+                    await trio.sleep(0.01)
+            renamed = trio.Event()
+
+            async def rename():
+                if op == "rename":
+                    await core.rename(vol, "old.bin", vol, "new.bin")
+                else:
+                    await core.unlink(vol, "old.bin")
+                renamed.set()
+
+            n.start_soon(rename)
+            await trio.sleep(0.2)  # the rename waits for the upload's parts in flight
+            store.gate.set()
+            with trio.fail_after(10):
+                await renamed.wait()
+            await committer.shutdown(drain=True)
+            assert parts_by_key.get("pfx/old.bin", 0) <= 16, parts_by_key  # not all 64
+            assert _stored(store, "new.bin") == (data if op == "rename" else None)
+            assert _stored(store, "old.bin") is None
+            assert committer.statistics().get("restarted", 0) >= 1
+            n.cancel_scope.cancel()
+
+    trio.run(main)
