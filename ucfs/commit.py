@@ -1431,7 +1431,10 @@ class Committer:
                 s.rid = await self.journal.add(s.volume.full_name, path, s.path.name, s.size)
             else:
                 await self.journal.rename(s.rid, path)
-            self._enqueue(s)
+            # Not while a writer still has it open and has written since the content recorded:
+            # that would publish a snapshot of a file half written. Its last close queues it.
+            if s.writers == 0 or s.generation <= s.flushed_generation:
+                self._enqueue(s)
         elif s.rid is not None:
             await self.journal.rename(s.rid, path)
 

@@ -345,3 +345,29 @@ def test_a_rename_or_unlink_does_not_wait_for_the_whole_upload_of_the_file(tmp_p
             n.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a_rename_while_a_writer_is_still_writing_publishes_only_the_whole_file(tmp_path):
+    """A file closed once (a dup, as a shell's `>` does), written further and renamed while still
+    open: the rename must not publish what the file holds at that moment under its new name - a
+    reader elsewhere sees the old object or the whole new one, never a part. The last close does."""
+    store = GatedStore()
+
+    async def main():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, _cfg(tmp_path))
+            fh = await _write(core, vol, "old.txt", b"first half, ")
+            await core.flush(fh)  # close() of a dup: durable and journaled, still open for writing
+            await core.write(fh, 12, b"second half")
+            await core.rename(vol, "old.txt", vol, "new.txt")
+            await trio.sleep(0.5)  # workers are idle: nothing was queued
+            assert _stored(store, "new.txt") is None and _stored(store, "old.txt") is None
+            await core.flush(fh)
+            await core.release(fh)
+            await committer.shutdown(drain=True)
+            assert _stored(store, "new.txt") == b"first half, second half"
+            assert _stored(store, "old.txt") is None
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
