@@ -58,6 +58,13 @@ STALE_RETRIES = 3
 STALE_RETRY_S = 0.5
 # Room a process reserves at once, so that most fills do not take the cross-process lock.
 CREDIT_BYTES = 64 << 20
+# A stored file's mtime is its Last-Modified in whole seconds, so (size, mtime) does not tell apart two
+# same-size versions written within one second. A copy made before that second had passed, plus the
+# mount's metadata TTL (1 s by default) and a margin for clock skew, may hold the older of two such
+# versions: it is not trusted, and is fetched again (once: the new copy is made after the window).
+# The same rule as git's "racily clean" index entries.
+RACY_WINDOW_NS = 3_000_000_000
+NS_PER_S = 1_000_000_000
 # Copy buffer: one read per file for the small samples this cache is for, few for big ones.
 COPY_BUFFER_BYTES = 1 << 20
 
@@ -160,6 +167,8 @@ class FileCache:
             return None
         if st.st_size != src.size:
             return None  # torn by a crash (the fill is not fsynced): fetch it again
+        if src.mtime_ns % NS_PER_S == 0 and st.st_ctime_ns < src.mtime_ns + RACY_WINDOW_NS:
+            return None  # copied while another version of the same size and second could follow
         try:
             os.utime(p)  # recency for LRU; mount options like noatime make atime useless
         except FileNotFoundError:

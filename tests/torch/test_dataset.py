@@ -29,6 +29,7 @@ def samples(mount, s3, bucket, prefix) -> list[str]:
     for i, name in enumerate(names):
         body = f"{name}\n".encode() + os.urandom(2000 + 37 * i)
         s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/data/{name}", Body=body)
+    time.sleep(3)  # past the cache's racy window (torchio._cache.RACY_WINDOW_NS)
     return names
 
 
@@ -143,3 +144,34 @@ def test_a_changed_file_is_fetched_again_and_the_cache_survives_a_new_run(mount,
     third = UCVolumeDataset(mount.path() / "data", pattern="s00*.bin", cache_dir=cache, free_floor_bytes=0)
     paths = list(third)
     assert third.statistics()["misses"] == 1 and open(paths[3], "rb").read() == b"s003.bin\nv2"
+
+
+# --------------------------------------------------------------------------------------------------
+# Listing changes, stale copies, abandoned passes
+
+
+def test_a_same_size_rewrite_in_the_same_second_is_not_served_from_the_cache(mount, s3, bucket, prefix,
+                                                                             tmp_path):
+    """A copy is named by (path, size, mtime), and a stored file's mtime is its Last-Modified in
+    whole seconds: two versions of one size written within a second look alike. A copy made while
+    that could still happen is not trusted later (git's "racily clean" rule), so it is fetched again."""
+    d = mount.path() / "same"
+    for attempt in range(5):
+        key = f"{prefix}/vol/same/x{attempt}.bin"
+        while time.time() % 1 > 0.05:  # start just after a second boundary
+            time.sleep(0.005)
+        s3.put_object(Bucket=bucket, Key=key, Body=b"version-1")
+        first = UCVolumeDataset(d, pattern=f"x{attempt}.bin", cache_dir=tmp_path / "cache",
+                                free_floor_bytes=0, io_threads=0)
+        assert [open(p, "rb").read() for p in first] == [b"version-1"]
+        s3.put_object(Bucket=bucket, Key=key, Body=b"version-2")
+        h = s3.head_object(Bucket=bucket, Key=key)
+        if int(first._listing()[0].mtime_ns // 1_000_000_000) == int(h["LastModified"].timestamp()):
+            break  # both versions carry the same whole-second Last-Modified
+    else:
+        pytest.skip("could not write two versions within one second")
+    time.sleep(1.5)  # the mount's metadata TTL: it shows version 2 now
+    assert open(d / f"x{attempt}.bin", "rb").read() == b"version-2"
+    second = UCVolumeDataset(d, pattern=f"x{attempt}.bin", cache_dir=tmp_path / "cache",
+                             free_floor_bytes=0, io_threads=0)
+    assert [open(p, "rb").read() for p in second] == [b"version-2"]
