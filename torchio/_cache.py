@@ -145,6 +145,12 @@ class FileCache:
             # 0700: copies of training data are as private as the user's access to the volume.
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._ready = True
+        # Fills of processes that died mid-copy (a DataLoader worker terminated at the end of an
+        # abandoned pass, a SIGKILL) leave their temporary files: remove them now, once per process.
+        for e in _scandir(self.base / "tmp"):
+            if _tmp_owner_dead(e.name):
+                with _suppress_missing():
+                    os.unlink(e.path)
 
     # -- identity -------------------------------------------------------------------------------
     def local_path(self, src: SourceFile) -> str:
@@ -354,7 +360,7 @@ class FileCache:
                 st = e.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
-            if now - st.st_mtime > STALE_TMP_S:
+            if now - st.st_mtime > STALE_TMP_S or _tmp_owner_dead(e.name):
                 with _suppress_missing():
                     os.unlink(e.path)
             else:
@@ -447,6 +453,28 @@ def _copy(fin, fout) -> int:
         while view:
             view = view[os.write(out_fd, view):]
         total += len(chunk)
+
+
+def _tmp_owner_dead(name: str) -> bool:
+    """Whether the process that made temporary file `name` (``<object>.<pid>.<thread>.<n>``) is gone
+    (a zombie counts as gone). Unknown names are not judged here."""
+    parts = name.rsplit(".", 3)
+    if len(parts) != 4 or not parts[1].isdigit():
+        return False
+    pid = int(parts[1])
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _scan_id() -> int:

@@ -175,3 +175,30 @@ def test_a_same_size_rewrite_in_the_same_second_is_not_served_from_the_cache(mou
     second = UCVolumeDataset(d, pattern=f"x{attempt}.bin", cache_dir=tmp_path / "cache",
                              free_floor_bytes=0, io_threads=0)
     assert [open(p, "rb").read() for p in second] == [b"version-2"]
+
+
+def test_an_abandoned_pass_leaves_no_partial_files_in_the_cache(mount_factory, fault_proxy, s3, bucket, prefix,
+                                                                 tmp_path):
+    """torch joins the worker of an abandoned pass for 5 s, then terminates it, mid-copy: the copy's
+    temporary file stays under tmp/. The next pass removes what processes that are gone left there,
+    rather than count it as cache use until a scan an hour later."""
+    import gc
+
+    m = mount_factory(endpoint=fault_proxy.endpoint)
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/data/a0.bin", Body=b"a0.bin\n")
+    for i in range(1, 4):
+        s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/data/z{i}.bin", Body=os.urandom(3 << 20))
+    cache = tmp_path / "cache"
+    ds = UCVolumeDataset(m.path() / "data", cache_dir=cache, free_floor_bytes=0)
+    loader = DataLoader(ds, batch_size=1, num_workers=1, persistent_workers=False)
+    fault_proxy.stall(12, method="GET", path=r".*/data/z.*", after_bytes=1 << 20)  # slow large files
+    it = iter(loader)
+    assert sample_name(next(it)[0]) == "a0.bin"
+    del it, loader  # abandon the pass
+    gc.collect()
+    time.sleep(1)
+    fault_proxy.clear()
+    left = os.listdir(cache / "v1" / "tmp")
+    ds2 = UCVolumeDataset(m.path() / "data", pattern="a0.bin", cache_dir=cache, free_floor_bytes=0)
+    assert [sample_name(p) for b in DataLoader(ds2, batch_size=1, num_workers=1) for p in b] == ["a0.bin"]
+    assert os.listdir(cache / "v1" / "tmp") == [], left
