@@ -168,6 +168,7 @@ class UCVolumeDataset(IterableDataset):
         self._explicit: list[str] | None = None  # from_files: these paths instead of a listing
         self._entries: list[SourceFile] | None = None
         self._names: list[str] | None = None  # relative paths, for the state's file-list digest
+        self._listing_gen = 0  # bumped by refresh(): worker copies holding an older listing are stale
         self._block = torch.zeros(_HEADER + _SLOTS * len(_COUNTERS), dtype=torch.int64).share_memory_()
         self._block[_RESUME_EPOCH] = -1
         self._block[_BATCH] = max(1, int(batch_size))
@@ -205,6 +206,7 @@ class UCVolumeDataset(IterableDataset):
     def refresh(self) -> None:
         """List the directory again (files added or changed since become visible)."""
         self._entries = self._names = None
+        self._listing_gen += 1
         self._listing()
 
     def _listing(self) -> list[SourceFile]:

@@ -107,6 +107,7 @@ class DataLoader(torch.utils.data.DataLoader):
         self._volume = volume
         self.log_every_batches = int(log_every_batches)
         self._pass: _Pass | None = None
+        self._workers_listing_gen = volume._listing_gen if volume is not None else 0
         if volume is not None and not self.in_order:
             log.warning("in_order=False: batches may arrive out of order, so a resumed epoch may repeat "
                         "or skip files")
@@ -117,6 +118,14 @@ class DataLoader(torch.utils.data.DataLoader):
         epoch = start = None
         total = 0
         if vol is not None:
+            if self._iterator is not None and self._workers_listing_gen != vol._listing_gen:
+                # Persistent workers hold copies of the dataset made when they started: after
+                # refresh() their listing is the old one. Start new workers with the new listing.
+                shutdown = getattr(self._iterator, "_shutdown_workers", None)
+                if shutdown is not None:
+                    shutdown()
+                self._iterator = None
+            self._workers_listing_gen = vol._listing_gen
             vol._publish(batch_size=self.batch_size or 1)
             if self.num_workers > 0:
                 # The copies in the workers iterate; this process keeps the count (see dataset.py).
@@ -124,9 +133,10 @@ class DataLoader(torch.utils.data.DataLoader):
                 total = len(vol)
             else:
                 epoch = vol.epoch
-        self._pass = _Pass(super().__iter__(), vol, self.batch_size or 1, self.log_every_batches,
-                           epoch, start, total)
-        return self._pass
+        # The loader keeps only the pass's timing: holding torch's iterator here would keep the
+        # workers of an abandoned pass (a `break`) alive, where torch's DataLoader shuts them down.
+        self._pass = _Pass(vol, self.batch_size or 1, self.log_every_batches, epoch, start, total)
+        return _PassIterator(super().__iter__(), self._pass)
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -147,15 +157,14 @@ class DataLoader(torch.utils.data.DataLoader):
 
 
 class _Pass:
-    """One pass over the loader: hands out torch's batches, counting and timing them.
+    """One pass over the loader: counts and times the batches its `_PassIterator` hands out.
 
-    Holds no reference to the loader: a cycle would keep a loader with persistent workers alive
-    until the next garbage collection, and worker processes forked meanwhile would inherit it.
+    Holds no reference to the loader, nor to torch's iterator (the loader keeps this object for
+    `stats()`; the iterator, and the workers of a non-persistent pass, go with the consumer's loop).
     """
 
-    def __init__(self, inner, volume: UCVolumeDataset | None, batch_size: int, log_every: int,
+    def __init__(self, volume: UCVolumeDataset | None, batch_size: int, log_every: int,
                  epoch: int | None, start: int | None, total: int):
-        self.inner = inner
         self.volume = volume
         self.batch_size = batch_size
         self.log_every = log_every
@@ -167,15 +176,9 @@ class _Pass:
         self.t_last = self.t0
         self.logged_at = 0
 
-    def __iter__(self):
-        return self
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __next__(self):
+    def next_from(self, inner):
         t = time.perf_counter()
-        batch = next(self.inner)  # StopIteration ends the pass
+        batch = next(inner)  # StopIteration ends the pass
         self.t_last = time.perf_counter()
         self.waits.append(self.t_last - t)
         n = len(self.waits)
@@ -210,5 +213,27 @@ class _Pass:
                            wait_p50_s=pct(0.5), wait_p95_s=pct(0.95), wait_max_s=w[-1] if n else 0.0,
                            cache=vol.statistics() if vol is not None else {})
 
+
+class _PassIterator:
+    """What `iter(loader)` returns: torch's iterator, counted and timed by its `_Pass`."""
+
+    def __init__(self, inner, timing: _Pass):
+        self.inner = inner
+        self.timing = timing
+
+    def __iter__(self):
+        return self
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __next__(self):
+        return self.timing.next_from(self.inner)
+
+    def stats(self) -> LoaderStats:
+        return self.timing.stats()
+
     def __getattr__(self, name: str):
+        if name == "inner":
+            raise AttributeError(name)
         return getattr(self.inner, name)  # anything else torch's iterator offers

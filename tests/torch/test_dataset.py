@@ -150,6 +150,28 @@ def test_a_changed_file_is_fetched_again_and_the_cache_survives_a_new_run(mount,
 # Listing changes, stale copies, abandoned passes
 
 
+def test_refresh_reaches_persistent_workers(mount, s3, bucket, prefix, tmp_path):
+    """refresh() makes files added or changed since visible - also to the DataLoader's persistent
+    workers (its default), which hold copies of the dataset made when they started."""
+    for i in range(6):
+        s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/data/s{i:03d}.bin", Body=f"s{i:03d}.bin\nv1".encode())
+    ds = UCVolumeDataset(mount.path() / "data", cache_dir=tmp_path / "cache", free_floor_bytes=0)
+    loader = DataLoader(ds, batch_size=2, num_workers=1)  # persistent_workers defaults to True
+    assert sorted(sample_name(p) for b in loader for p in b) == [f"s{i:03d}.bin" for i in range(6)]
+    # Another writer adds a file and changes one (to another size).
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/data/s006.bin", Body=b"s006.bin\nnew")
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/data/s002.bin", Body=b"s002.bin\nversion-2")
+    time.sleep(1.5)  # the mount's metadata TTL
+    ds.refresh()
+    ds.set_epoch(1)
+    assert len(ds) == 7
+    paths = [p for b in loader for p in b]
+    assert sorted(sample_name(p) for p in paths) == [f"s{i:03d}.bin" for i in range(7)]
+    by_name = {sample_name(p): p for p in paths}
+    with open(by_name["s002.bin"], "rb") as f:
+        assert f.read() == b"s002.bin\nversion-2"
+
+
 def test_a_same_size_rewrite_in_the_same_second_is_not_served_from_the_cache(mount, s3, bucket, prefix,
                                                                              tmp_path):
     """A copy is named by (path, size, mtime), and a stored file's mtime is its Last-Modified in
@@ -177,6 +199,32 @@ def test_a_same_size_rewrite_in_the_same_second_is_not_served_from_the_cache(mou
     assert [open(p, "rb").read() for p in second] == [b"version-2"]
 
 
+def test_breaking_out_of_a_pass_shuts_its_workers_down_as_torch_does(tmp_path):
+    """torch's DataLoader shuts non-persistent workers down once the iterator of an abandoned pass
+    (a `break`, a validation loop capped at a few batches) is dropped; torchio's must too, not keep
+    them fetching. (A local directory: no mount needed.)"""
+    import gc
+    import multiprocessing
+
+    root = tmp_path / "data"
+    root.mkdir()
+    for i in range(40):
+        (root / f"f{i:02d}.bin").write_bytes(b"x")
+    alive = {}
+    for cls in (torch.utils.data.DataLoader, DataLoader):
+        ds = UCVolumeDataset(root, cache_dir=tmp_path / "cache", free_floor_bytes=0)
+        loader = cls(ds, batch_size=2, num_workers=2, persistent_workers=False)
+        for _ in loader:
+            break
+        gc.collect()
+        time.sleep(0.5)
+        alive[cls.__module__] = len(multiprocessing.active_children())
+        del loader
+        gc.collect()
+        time.sleep(0.5)
+    assert alive == {"torch.utils.data.dataloader": 0, "torchio.loader": 0}
+
+
 def test_an_abandoned_pass_leaves_no_partial_files_in_the_cache(mount_factory, fault_proxy, s3, bucket, prefix,
                                                                  tmp_path):
     """torch joins the worker of an abandoned pass for 5 s, then terminates it, mid-copy: the copy's
@@ -202,3 +250,4 @@ def test_an_abandoned_pass_leaves_no_partial_files_in_the_cache(mount_factory, f
     ds2 = UCVolumeDataset(m.path() / "data", pattern="a0.bin", cache_dir=cache, free_floor_bytes=0)
     assert [sample_name(p) for b in DataLoader(ds2, batch_size=1, num_workers=1) for p in b] == ["a0.bin"]
     assert os.listdir(cache / "v1" / "tmp") == [], left
+
