@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 
 import pytest
 
@@ -26,6 +27,7 @@ def samples(mount, s3, bucket, prefix) -> dict[str, bytes]:
         name = f"s{i:03d}.bin"
         bodies[name] = f"{name}\n".encode() + os.urandom(3000 + 101 * i)
         s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/data/{name}", Body=bodies[name])
+    time.sleep(3)  # past the cache's racy window (torchio._cache.RACY_WINDOW_NS): copies are trusted
     return bodies
 
 
