@@ -213,6 +213,7 @@ class Staged:
     # A rename or unlink waits for the commit lock: the commit holding it gives up at its next part
     # (and is queued again) rather than finish an upload under a name that is going away.
     abandon: bool = False
+    row_pending: bool = False  # a close is writing the file's first journal row (flush)
     # Taken up from the journal at mount: its inode was made without asking the store, so an
     # older object may be under its key that unlink/rename must still delete.
     replayed: bool = False
@@ -771,7 +772,11 @@ class Committer:
                 s.unsynced = 0
                 path = s.node.rel_path()
                 if s.rid is None:
-                    s.rid = await self.journal.add(s.volume.full_name, path, s.path.name, s.size)
+                    s.row_pending = True
+                    try:
+                        s.rid = await self.journal.add(s.volume.full_name, path, s.path.name, s.size)
+                    finally:
+                        s.row_pending = False
                 else:
                     await self.journal.mark_ready(s.rid, s.size, path)
                 # While the row was written, the file may have been renamed or unlinked, and that
@@ -1428,7 +1433,10 @@ class Committer:
             s.flushed_generation = had
         if s.flushed_generation >= 0:
             if s.rid is None:
-                s.rid = await self.journal.add(s.volume.full_name, path, s.path.name, s.size)
+                # A close writing the first row names the file anew once it is written (flush):
+                # a second row now would have the file committed twice after a crash.
+                if not s.row_pending:
+                    s.rid = await self.journal.add(s.volume.full_name, path, s.path.name, s.size)
             else:
                 await self.journal.rename(s.rid, path)
             # Not while a writer still has it open and has written since the content recorded:

@@ -371,3 +371,39 @@ def test_a_rename_while_a_writer_is_still_writing_publishes_only_the_whole_file(
 
     trio.run(main)
 
+
+def test_a_rename_while_a_close_writes_the_row_of_an_fsynced_file_leaves_one_row(tmp_path):
+    """A file committed by fsync, written further and closed: the close writes its first journal
+    row. A rename meanwhile must journal the content it moves too (the old key goes) - but not as a
+    second row beside the close's: after a crash both would be committed."""
+    store = GatedStore()
+
+    async def main():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, _cfg(tmp_path))
+            fh = await _write(core, vol, "a.bin", b"version one")
+            await core.fsync(fh)  # committed in place: no journal row
+            await core.write(fh, 11, b", and more")
+            entered, gate = _gate_journal_adds(committer)
+            closed = trio.Event()
+
+            async def close():
+                await core.flush(fh)
+                closed.set()
+
+            n.start_soon(close)
+            await entered.wait()
+            async with trio.open_nursery() as inner:  # waits for the rename too
+                inner.start_soon(core.rename, vol, "a.bin", vol, "b.bin")
+                await trio.sleep(0.2)
+                gate.set()
+            with trio.fail_after(10):
+                await closed.wait()
+            assert [r.path for r in committer.journal.records()] == ["b.bin"]
+            await core.release(fh)
+            await committer.shutdown(drain=True)
+            assert _stored(store, "b.bin") == b"version one, and more" and _stored(store, "a.bin") is None
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
