@@ -31,6 +31,16 @@ def test_rename_of_a_stored_file_open_for_writing_keeps_it_in_the_store(mount, s
         assert ok, keys(s3, bucket, f"{prefix}/vol/")
 
 
+def _fsynced_and_held_open(path):
+    """Write path, fsync it (committed in place: durable in the store, no journal row) and close it;
+    return a reader's handle, which keeps the file staged."""
+    with open(path, "wb") as f:
+        f.write(os.urandom(300_000))
+        f.flush()
+        os.fsync(f.fileno())
+        return open(path, "rb")
+
+
 def test_rename_of_an_fsynced_file_still_held_open_is_committed_under_the_new_name(mount_factory, s3, bucket, prefix):
     """write, fsync, close, rename, while another handle (a reader) still has the file open. The
     fsync committed the file in place, without a journal row; the rename takes the old key away, so
@@ -38,27 +48,18 @@ def test_rename_of_an_fsynced_file_still_held_open_is_committed_under_the_new_na
     (--no-passthrough: a passthrough writer's close counts as a change, which would journal it anyway.)"""
     mount = mount_factory(args=("--no-passthrough",))
     v = mount.path()
-    data = os.urandom(300_000)
-    with open(v / "tmp.bin", "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())  # committed: durable in the store
-        reader = open(v / "tmp.bin", "rb")  # any other handle keeps the staging file
-    with reader:
+    with _fsynced_and_held_open(v / "tmp.bin"):
         os.rename(v / "tmp.bin", v / "final.bin")
         ok = wait_until(lambda: f"{prefix}/vol/final.bin" in keys(s3, bucket, f"{prefix}/vol/"), 10)
         assert ok, (keys(s3, bucket, f"{prefix}/vol/"), mount.status()["commits"])
 
 
 def test_rename_of_an_fsynced_file_survives_a_crash(mount_factory, s3, bucket, prefix):
+    """The same, then a SIGKILL: the moved content was journaled under the new name, so the next
+    mount has it there."""
     mount = mount_factory(args=("--no-passthrough",))
     v = mount.path()
-    data = os.urandom(300_000)
-    with open(v / "tmp.bin", "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-        reader = open(v / "tmp.bin", "rb")
+    reader = _fsynced_and_held_open(v / "tmp.bin")
     os.rename(v / "tmp.bin", v / "final.bin")
     time.sleep(1)
     mount.kill()  # the reader's handle dies with the daemon

@@ -235,6 +235,18 @@ def _gate_journal_adds(committer):
     return entered, gate
 
 
+def _start_close(nursery, core, fh) -> trio.Event:
+    """close() of fh (its FUSE flush) in the background; the event is set once it returned."""
+    done = trio.Event()
+
+    async def close():
+        await core.flush(fh)
+        done.set()
+
+    nursery.start_soon(close)
+    return done
+
+
 def test_a_rename_while_a_close_writes_its_journal_row_moves_the_row(tmp_path):
     """The first close of a file writes its journal row; a rename meanwhile finds no row to
     change. The row must still end up naming the new path: after a crash, the replay publishes
@@ -272,13 +284,7 @@ def test_an_unlink_while_a_close_writes_its_journal_row_leaves_no_row(tmp_path):
             core, committer, vol = await open_core(tmp_path, store, n, _cfg(tmp_path))
             fh = await _write(core, vol, "gone.bin", b"content")
             entered, gate = _gate_journal_adds(committer)
-            done = trio.Event()
-
-            async def close():
-                await core.flush(fh)
-                done.set()
-
-            n.start_soon(close)
+            done = _start_close(n, core, fh)
             await entered.wait()
             await core.unlink(vol, "gone.bin")
             gate.set()
@@ -385,13 +391,7 @@ def test_a_rename_while_a_close_writes_the_row_of_an_fsynced_file_leaves_one_row
             await core.fsync(fh)  # committed in place: no journal row
             await core.write(fh, 11, b", and more")
             entered, gate = _gate_journal_adds(committer)
-            closed = trio.Event()
-
-            async def close():
-                await core.flush(fh)
-                closed.set()
-
-            n.start_soon(close)
+            closed = _start_close(n, core, fh)
             await entered.wait()
             async with trio.open_nursery() as inner:  # waits for the rename too
                 inner.start_soon(core.rename, vol, "a.bin", vol, "b.bin")
