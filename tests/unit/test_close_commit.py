@@ -247,10 +247,11 @@ def _start_close(nursery, core, fh) -> trio.Event:
     return done
 
 
-def test_a_rename_while_a_close_writes_its_journal_row_moves_the_row(tmp_path):
-    """The first close of a file writes its journal row; a rename meanwhile finds no row to
-    change. The row must still end up naming the new path: after a crash, the replay publishes
-    what the row says."""
+@pytest.mark.parametrize("op", ["rename", "unlink"])
+def test_a_rename_or_unlink_while_a_close_writes_its_journal_row(tmp_path, op):
+    """The first close of a file writes its journal row; a rename or unlink meanwhile finds no row
+    to change. Once the close returns, the row must name the new path (a replay after a crash
+    publishes what the row says), or be gone (or a crash would bring the deleted file back)."""
     store = GatedStore()
 
     async def main():
@@ -258,42 +259,20 @@ def test_a_rename_while_a_close_writes_its_journal_row_moves_the_row(tmp_path):
             core, committer, vol = await open_core(tmp_path, store, n, _cfg(tmp_path))
             fh = await _write(core, vol, "old.bin", b"content")
             entered, gate = _gate_journal_adds(committer)
-            n.start_soon(core.flush, fh)
+            closed = _start_close(n, core, fh)
             await entered.wait()
-            await core.rename(vol, "old.bin", vol, "new.bin")
+            if op == "rename":
+                await core.rename(vol, "old.bin", vol, "new.bin")
+            else:
+                await core.unlink(vol, "old.bin")
             gate.set()
             with trio.fail_after(10):
-                while core.file_handle(fh).staged.flushed_generation < 0:
-                    await trio.sleep(0.01)
-            assert [r.path for r in committer.journal.records()] == ["new.bin"]
+                await closed.wait()
+            assert [r.path for r in committer.journal.records()] == (["new.bin"] if op == "rename" else [])
             await core.release(fh)
             await committer.shutdown(drain=True)
-            assert _stored(store, "new.bin") == b"content" and _stored(store, "old.bin") is None
-            n.cancel_scope.cancel()
-
-    trio.run(main)
-
-
-def test_an_unlink_while_a_close_writes_its_journal_row_leaves_no_row(tmp_path):
-    """An unlink meanwhile finds no row to remove: the row written after it must go, or a crash
-    would bring the deleted file back at the next mount."""
-    store = GatedStore()
-
-    async def main():
-        async with trio.open_nursery() as n:
-            core, committer, vol = await open_core(tmp_path, store, n, _cfg(tmp_path))
-            fh = await _write(core, vol, "gone.bin", b"content")
-            entered, gate = _gate_journal_adds(committer)
-            done = _start_close(n, core, fh)
-            await entered.wait()
-            await core.unlink(vol, "gone.bin")
-            gate.set()
-            with trio.fail_after(10):
-                await done.wait()
-            assert committer.journal.records() == []
-            await core.release(fh)
-            await committer.shutdown(drain=True)
-            assert _stored(store, "gone.bin") is None
+            assert _stored(store, "new.bin") == (b"content" if op == "rename" else None)
+            assert _stored(store, "old.bin") is None
             n.cancel_scope.cancel()
 
     trio.run(main)
