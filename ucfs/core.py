@@ -1020,10 +1020,9 @@ class Core:
                   if not s.dropped and s.volume is vol and s.node.key.startswith(old_prefix)]
         async with contextlib.AsyncExitStack() as stack:
             # No commit beneath may land under the old name while we move things: hold them all.
-            # Ask every commit in progress to give up first, not one after the other.
-            for s in staged:
-                if s.commit_lock.locked():
-                    s.abandon = True
+            # Each commit in progress is asked to give up when its turn comes: asked all at once,
+            # one given up while we wait for another's lock could be started afresh by a worker,
+            # and then run to its end before we get its lock.
             for s in staged:
                 await stack.enter_async_context(self.committer.namespace_lock(s))
             # A commit that finished while we waited for another file's lock may have retired its
