@@ -402,20 +402,22 @@ class BlockCache:
         """Reserve `size` bytes, evicting first, so the cache never exceeds its limit even with writes
         in flight. False when it cannot be done (everything left is pinned)."""
         with self._room_lock:
-            fresh = False  # the free-space estimate ignores what others freed, and what we evict
             while True:
                 with self._lock:
                     fits = self._used + size <= self.size_bytes
-                if fits:
-                    if self._free_bytes(fresh) - size >= self.free_floor_bytes:
-                        with self._lock:
-                            self._used += size
-                        return True
-                    if not fresh:
-                        fresh = True  # short of room by the estimate: look at the disk before evicting
-                        continue
+                if fits and self._above_floor_after(size):
+                    with self._lock:
+                        self._used += size
+                    return True
                 if not self._evict_one():
                     return False
+
+    def _above_floor_after(self, size: int) -> bool:
+        """Whether writing `size` bytes leaves the disk above the free-space floor. The estimate
+        ignores what others freed and what we evicted since the last look: where it says no, the
+        disk itself is asked before anything is evicted for it."""
+        floor = self.free_floor_bytes
+        return self._free_bytes() - size >= floor or self._free_bytes(fresh=True) - size >= floor
 
     def _free_bytes(self, fresh: bool = False) -> int:
         """Free space on the cache's disk, looked up again every 64 MiB written (or when `fresh`)."""
@@ -437,15 +439,11 @@ class BlockCache:
     def _evict(self) -> bool:
         """Evict LRU unpinned segments until under the size limit and above the free floor."""
         with self._room_lock:
-            fresh = False
             while True:
                 with self._lock:
                     over = self._used > self.size_bytes
-                if not over and self._free_bytes(fresh) >= self.free_floor_bytes:
+                if not over and self._above_floor_after(0):
                     return True
-                if not over and not fresh:
-                    fresh = True  # look at the disk itself before evicting for the floor
-                    continue
                 if not self._evict_one():
                     return False
 
