@@ -7,7 +7,6 @@ tracebacks are for bugs.
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import logging
 import logging.handlers
@@ -20,6 +19,7 @@ import time
 from pathlib import Path
 
 from . import __version__
+from .cache import ensure_private_dir
 from .catalog import Catalog
 from .config import MountConfig, default_state_dir, parse_size
 from .errors import UcfsError
@@ -151,11 +151,7 @@ def _run_mount(catalog, cfg, opts, ready) -> None:
 
 def _daemonize(catalog, cfg, opts, log_level: str) -> int:
     """Fork; the child mounts and tells the parent over a pipe once the mount is ready (or why not)."""
-    try:
-        opts.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    except OSError as e:
-        why = "not a directory" if e.errno in (errno.EEXIST, errno.ENOTDIR) else e.strerror
-        raise UcfsError(f"{opts.state_dir}: cannot use it as a cache directory: {why}") from None
+    ensure_private_dir(opts.state_dir)  # here, in the parent: a bad --cache-dir is its message
     logfile = opts.state_dir / "ucfs.log"
     r, w = os.pipe()
     pid = os.fork()
