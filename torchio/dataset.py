@@ -12,7 +12,9 @@
 **Listing.** Files are listed once per dataset object, the first time they are needed (sorted by
 path, so every rank and every rerun agrees), with the size and mtime the mount reports. The listing
 is a snapshot: files added later join after `refresh()`. Every cache decision uses the snapshot, so
-an epoch that finds everything cached touches neither the mount nor the store.
+an epoch that finds everything cached touches neither the mount nor the store. Under
+`torch.distributed` every rank uses rank 0's listing, so a directory that changes while the ranks
+list it cannot give them different shard sizes (see `_agree`; rank 0 never waits for the others).
 
 **Sharding** (see `_shard`): rank and world size come from `torch.distributed` when it is
 initialised, else from the ``RANK`` / ``WORLD_SIZE`` environment, else one process; the worker from
@@ -48,7 +50,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import fnmatch
-import hashlib
 import itertools
 import logging
 import os
@@ -60,7 +61,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from . import _shard
+from . import _agree, _shard
 from ._cache import Fetched, FileCache, SourceFile
 from ._direct import DirectSource, enabled_by_env
 
@@ -216,8 +217,18 @@ class UCVolumeDataset(IterableDataset):
                 self._set_entries([_stat(p) for p in self._explicit])
             else:
                 self._set_entries(_list_files(self.root, self.pattern, self.recursive))
+                if get_worker_info() is None:
+                    self._take_rank0_listing()
             log.info("%s: %d files listed in %.2f s", self.root, len(self._entries), time.monotonic() - t0)
         return self._entries
+
+    def _take_rank0_listing(self) -> None:
+        """Under torch.distributed, shard rank 0's listing on every rank (see `_agree`)."""
+        mine = [(n, e.size, e.mtime_ns) for n, e in zip(self._names, self._entries)]
+        theirs = _agree.rank0_listing(f"{self.root}\0{self.pattern}\0{self.recursive}", mine)
+        if theirs is not None:
+            self._set_entries([SourceFile(os.path.join(self.root, n), size, mtime)
+                               for n, size, mtime in theirs])
 
     def _set_entries(self, entries: list[SourceFile]) -> None:
         entries.sort(key=lambda e: e.path)
@@ -226,10 +237,7 @@ class UCVolumeDataset(IterableDataset):
 
     def _digest(self) -> str:
         self._listing()
-        h = hashlib.sha256()
-        for name in self._names:
-            h.update(name.encode("utf-8", "surrogateescape") + b"\0")
-        return h.hexdigest()[:32]
+        return _agree.names_digest(self._names)
 
     # -- epochs, length, state ------------------------------------------------------------------
     @property

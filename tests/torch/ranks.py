@@ -110,6 +110,27 @@ def resume_phase2(rank, world, port, root, cache_dir, out_dir, workers):
     write_json(Path(out_dir) / "phase2.json", {"rest": rest, "state": loader.state_dict()})
 
 
+def listing_changes_between_ranks(rank, world, port, root, cache_dir, out_dir):
+    """Rank 0 lists; a file is added; only then rank 1 lists. Both must shard rank 0's list."""
+    init_dist(rank, world, port)
+    ds = UCVolumeDataset(root, cache_dir=cache_dir, free_floor_bytes=0)
+    out = {}
+    if rank == 0:
+        out["listed"] = len(ds.files)
+        # A dataset only rank 0 builds (an evaluation set) must not wait for the other ranks.
+        out["solo"] = len(UCVolumeDataset(root, pattern="s00*", cache_dir=cache_dir, free_floor_bytes=0).files)
+        with open(os.path.join(root, "late.bin"), "wb") as f:
+            f.write(b"late.bin\n" + os.urandom(3000))
+    dist.barrier()
+    if rank == 1:
+        out["sees_late"] = os.path.exists(os.path.join(root, "late.bin"))
+    out["files"] = [os.path.relpath(p, root) for p in ds.files]
+    out["len"] = len(ds)
+    out["names"] = [sample_name(p) for batch in DataLoader(ds, batch_size=2, num_workers=2) for p in batch]
+    write_json(Path(out_dir) / f"rank{rank}.json", out)
+    dist.barrier()
+
+
 # -- checkpoints --------------------------------------------------------------------------------------
 
 def make_model(seed: int):

@@ -150,6 +150,22 @@ def test_a_changed_file_is_fetched_again_and_the_cache_survives_a_new_run(mount,
 # Listing changes, stale copies, abandoned passes
 
 
+def test_ranks_shard_rank0s_listing_when_the_directory_changes_between_their_listings(mount, samples,
+                                                                                       tmp_path):
+    """A file added after rank 0 listed but before rank 1 did: without agreement rank 1 would have 42
+    files to rank 0's 41, different shard sizes, and a DDP job would hang at its next collective."""
+    out = tmp_path / "out"
+    out.mkdir()
+    root = str(mount.path() / "data")
+    run_ranks(ranks.listing_changes_between_ranks, 2, root, str(tmp_path / "cache"), str(out))
+    r0, r1 = read_json(out / "rank0.json"), read_json(out / "rank1.json")
+    assert r0["listed"] == len(samples) and r0["solo"] == 10
+    assert r1["sees_late"]  # rank 1's own listing had the new file...
+    assert r1["files"] == r0["files"] and "late.bin" not in r0["files"]  # ...but it shards rank 0's
+    assert r0["len"] == r1["len"] == 21 == len(r0["names"]) == len(r1["names"])
+    assert set(r0["names"]) | set(r1["names"]) == set(samples)
+
+
 def test_refresh_reaches_persistent_workers(mount, s3, bucket, prefix, tmp_path):
     """refresh() makes files added or changed since visible - also to the DataLoader's persistent
     workers (its default), which hold copies of the dataset made when they started."""

@@ -433,3 +433,16 @@ def test_cache_fills_take_room_in_advance_and_a_scan_voids_it(tmp_path, monkeypa
     assert not a.get(files[16]).hit
     assert locks  # went back to the lock and took fresh room
     assert a.usage_bytes() <= a.capacity_bytes
+
+
+def test_a_listing_travels_between_ranks_intact():
+    """What rank 0 publishes for the others (torchio._agree) decodes to the same entries, whatever
+    the names hold; and outside a process group nothing is published or awaited."""
+    from torchio import _agree
+
+    entries = [("a b/new\nline.bin", 0, 1), (os.fsdecode(b"caf\xe9.bin"), 2**40, 1_700_000_000_123_456_789),
+               ("z.bin", 7, 0)]
+    assert _agree._decode(_agree._encode(entries)) == entries
+    assert _agree._decode(_agree._encode([])) == []
+    assert _agree.names_digest(["a", "bc"]) != _agree.names_digest(["ab", "c"])
+    assert _agree.rank0_listing("root\0*\0True", entries) is None
