@@ -31,6 +31,7 @@ to memory first, as `FileSystemWriter` does).
 
 from __future__ import annotations
 
+import errno
 import io
 import logging
 import os
@@ -166,10 +167,19 @@ class UCVolumeReader(FileSystemReader):
     """DCP storage reader for a directory on the mount (any host's mount of the same volume).
 
     ``wait_visible_s``: how long to wait for a checkpoint file another host has just written to
-    become visible here; a little over the mount's metadata TTL.
+    become visible here; a little over the mount's metadata TTL. A directory still missing after that
+    is a `FileNotFoundError` from the constructor.
     """
 
     def __init__(self, path: str | os.PathLike, *, wait_visible_s: float = DEFAULT_WAIT_VISIBLE_S, **kwargs):
+        # A checkpoint that is not there is a plain FileNotFoundError here, not an exception that DCP
+        # raises from inside `dcp.load` wrapped in its CheckpointException (a BaseException).
+        deadline = time.monotonic() + wait_visible_s
+        while not os.path.isdir(path):
+            if time.monotonic() >= deadline:
+                raise FileNotFoundError(errno.ENOENT, "no checkpoint directory here (if another host is "
+                                        "writing it, load after its dcp.save returns)", os.fspath(path))
+            time.sleep(VISIBILITY_POLL_S)
         super().__init__(path, **kwargs)
         self.fs = VolumeReaderFileSystem(wait_visible_s)
         self.path = self.fs.init_path(path)

@@ -89,6 +89,11 @@ def test_a_rank_killed_during_save_leaves_no_metadata(mount, s3, bucket, prefix,
         dcp.load({"shared": torch.zeros(10, dtype=torch.long)}, storage_reader=UCVolumeReader(mount.path() / "ckpt"))
 
 
+def test_loading_a_checkpoint_that_is_not_there_is_file_not_found(mount):
+    with pytest.raises(FileNotFoundError, match="no checkpoint directory"):
+        UCVolumeReader(mount.path() / "no-such-ckpt", wait_visible_s=0.2)
+
+
 def test_torch_save_and_load_weights_only_on_the_mount(mount_factory, s3, bucket, prefix):
     a, b = mount_factory(name="a"), mount_factory(name="b")
     model, optim = ranks.make_model(3)
