@@ -17,8 +17,9 @@ With `--latency-ms N` every request (ceilings and mount alike) passes through
 `ucfs.testing.proxy.LatencyProxy`, run in a child process so it never competes with our own boto3
 threads for the GIL. `--latency-ms 0` measures the proxy itself.
 
-The ceilings use boto3 directly (not `ucfs.store`): they are the reference the store layer is judged
-against. boto3 is imported lazily, because the CLI imports this module to build its parser.
+The ceilings use plain boto3 clients (`ucfs.store.boto3_client`, not `S3Store`): they are the reference
+the store layer is judged against. boto3 is imported lazily, because the CLI imports this module to
+build its parser.
 
 Two more direct measurements carry no target. They bound what any implementation can reach on this
 machine, given what the mount must do besides what the ceilings do, and the report ends with what
@@ -401,7 +402,7 @@ def combine_rounds(rounds: list[dict[str, Figure]], chosen: dict[str, int] | Non
 
 
 # --------------------------------------------------------------------------------------------------
-# store access (boto3, lazily imported)
+# store access (plain boto3 clients from ucfs.store, lazily imported)
 
 
 @dataclass
@@ -413,31 +414,24 @@ class Endpoint:
 
 
 def make_client(ep: Endpoint, *, pool: int, attempts: int = 5):
-    """A boto3 S3 client set up the way `ucfs.store.S3Store` sets up its own."""
-    import boto3
-    import botocore.config
+    """A boto3 S3 client set up the way `ucfs.store.S3Store` sets up its own (no payload hashing, no
+    CRC trailers), so the ceiling is not slowed by work the mount does not do either."""
+    from .store import boto3_client
 
-    cfg = botocore.config.Config(
-        region_name=ep.region,
-        # As S3Store's default: no SHA-256 of upload bodies (UNSIGNED-PAYLOAD, what botocore does on
-        # HTTPS anyway), so the ceiling is not slowed by work the mount does not do either.
-        s3={"addressing_style": "path", "payload_signing_enabled": False},
-        max_pool_connections=max(pool, 10),  # never make a thread wait for a socket
-        retries={"max_attempts": attempts, "mode": "standard"},
-        connect_timeout=5, read_timeout=60, tcp_keepalive=True,
-        # As S3Store: no CRC trailers (CPU per part, and refused by some S3-compatible servers).
-        request_checksum_calculation="when_required",
-        response_checksum_validation="when_required",
-    )
-    kw = {}
-    if ep.access_key:
-        kw = {"aws_access_key_id": ep.access_key, "aws_secret_access_key": ep.secret_key}
-    return boto3.session.Session().client("s3", endpoint_url=ep.url, config=cfg, **kw)
+    # max(pool, 10): never make a thread wait for a socket.
+    return boto3_client(ep.url, region=ep.region, access_key=ep.access_key, secret_key=ep.secret_key,
+                        pool=max(pool, 10), attempts=attempts)
+
+
+def _boto_errors():
+    from .store import boto_errors
+
+    return boto_errors()
 
 
 def _store_error(e: BaseException, ep: Endpoint, what: str) -> BenchError:
     """A boto3/botocore failure as one line a user can act on."""
-    import botocore.exceptions as bex
+    bex = _boto_errors()
 
     if isinstance(e, bex.NoCredentialsError):
         return BenchError("no S3 credentials: give --access-key and --secret-key, or set "
@@ -460,7 +454,7 @@ def _store_error(e: BaseException, ep: Endpoint, what: str) -> BenchError:
 def check_store(ep: Endpoint, bucket: str) -> None:
     """Fail early, in one line, on an unreachable store, refused credentials or an unusable bucket;
     create the bucket if it is missing."""
-    import botocore.exceptions as bex
+    bex = _boto_errors()
 
     s3 = make_client(ep, pool=1, attempts=1)
     try:
@@ -954,7 +948,7 @@ class Bench:
     def _phase(self, name: str, fn: Callable[[], None], always: bool = False) -> None:
         if not always and not self.o.wants(name):
             return
-        import botocore.exceptions as bex
+        bex = _boto_errors()
 
         # Start clean: what earlier phases left dirty in the page cache (the mount writes small cache
         # segments and staging files through it) would otherwise be written back during this one.
@@ -1089,7 +1083,7 @@ class Bench:
     # -- setup ----------------------------------------------------------------------------------
     def setup(self) -> None:
         """Upload what is missing (not measured). With --skip setup, only check that it is there."""
-        import botocore.exceptions as bex
+        bex = _boto_errors()
 
         o, lay, s3 = self.o, self.lay, self.s3
         upload = self.o.wants("setup")

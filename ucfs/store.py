@@ -36,6 +36,53 @@ MAX_OBJECT_BYTES = 5 * 1024 ** 4
 MAX_SINGLE_COPY_BYTES = 5 * 1024 ** 3
 
 
+def botocore_config(*, region: str, path_style: bool = True, payload_signing: bool = False, pool: int,
+                    attempts: int, connect_timeout_s: float, read_timeout_s: float):
+    """The botocore configuration of every boto3 client ucfs makes (`S3Store`'s, and the plain ones
+    of `boto3_client`)."""
+    import botocore.config
+
+    return botocore.config.Config(
+        region_name=region,
+        # payload_signing_enabled False sends UNSIGNED-PAYLOAD instead of hashing every upload
+        # body: what botocore does on HTTPS anyway. Opt back in per store where a plain-HTTP
+        # link is not trusted.
+        s3={"addressing_style": "path" if path_style else "auto", "payload_signing_enabled": payload_signing},
+        max_pool_connections=pool,
+        retries={"max_attempts": attempts, "mode": "standard"},
+        connect_timeout=connect_timeout_s,
+        read_timeout=read_timeout_s,
+        tcp_keepalive=True,
+        # Checksums only where S3 demands them: the default CRC trailers of new botocore cost CPU on
+        # every part and are refused by some S3-compatible servers. ETags still guard integrity.
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+    )
+
+
+def boto3_client(endpoint_url: str | None, *, region: str, access_key: str | None = None,
+                 secret_key: str | None = None, pool: int = 10, attempts: int = 5,
+                 connect_timeout_s: float = 5.0, read_timeout_s: float = 60.0):
+    """A plain boto3 S3 client, configured as `S3Store` configures its own: for `ucfs bench`, whose
+    ceilings are by definition what boto3 itself reaches, and so must not go through this module's
+    lean client. Its failures are `boto_errors()`'s exceptions, not `StoreError`."""
+    import boto3
+
+    cfg = botocore_config(region=region, pool=pool, attempts=attempts, connect_timeout_s=connect_timeout_s,
+                          read_timeout_s=read_timeout_s)
+    kw = {}
+    if access_key:
+        kw = {"aws_access_key_id": access_key, "aws_secret_access_key": secret_key}
+    return boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=cfg, **kw)
+
+
+def boto_errors():
+    """botocore's exception module, for the callers of `boto3_client` that tell its failures apart."""
+    import botocore.exceptions
+
+    return botocore.exceptions
+
+
 @dataclass(frozen=True, slots=True)
 class ObjectInfo:
     key: str
@@ -172,7 +219,6 @@ class S3Store:
                  max_attempts: int = 5, connect_timeout_s: float = 5.0, read_timeout_s: float = 30.0,
                  access_key: str | None = None, secret_key: str | None = None, lean: bool = True):
         import boto3
-        import botocore.config
 
         self.endpoint_url = endpoint_url
         self.name = f"s3:{endpoint_url or 'aws'}"
@@ -180,23 +226,9 @@ class S3Store:
         self.payload_signing = payload_signing
         self._counters = Counters()
         session = boto3.session.Session(profile_name=profile)
-        cfg = botocore.config.Config(
-            region_name=region or session.region_name or "us-east-1",
-            # payload_signing_enabled False sends UNSIGNED-PAYLOAD instead of hashing every upload
-            # body: what botocore does on HTTPS anyway. Opt back in per store where a plain-HTTP
-            # link is not trusted.
-            s3={"addressing_style": "path" if path_style else "auto",
-                "payload_signing_enabled": payload_signing},
-            max_pool_connections=concurrency,
-            retries={"max_attempts": max_attempts, "mode": "standard"},
-            connect_timeout=connect_timeout_s,
-            read_timeout=read_timeout_s,
-            tcp_keepalive=True,
-            # Checksums only where S3 demands them: the default CRC trailers of new botocore cost CPU on
-            # every part and are refused by some S3-compatible servers. ETags still guard integrity.
-            request_checksum_calculation="when_required",
-            response_checksum_validation="when_required",
-        )
+        cfg = botocore_config(region=region or session.region_name or "us-east-1", path_style=path_style,
+                              payload_signing=payload_signing, pool=concurrency, attempts=max_attempts,
+                              connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s)
         kwargs = {}
         if access_key and secret_key:
             kwargs = {"aws_access_key_id": access_key, "aws_secret_access_key": secret_key}
