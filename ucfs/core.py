@@ -42,7 +42,6 @@ NAME_MAX_BYTES = 255
 # happened (see `Core._removed_at`): far longer than any store request may take with its retries.
 REMOVED_MEMORY_S = 600.0
 RENAME_NOREPLACE = 1  # linux/fs.h
-RENAME_EXCHANGE = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +107,9 @@ class FileHandle:
     reader: ObjectReader | None = None
     writable: bool = False
     staged: Any = None  # the commit.Staged this handle keeps alive, if any
-    opened_at: float = field(default_factory=time.monotonic)
+    # When this handle last knew the file's size: its open, or a truncate made through it. Reads
+    # short of what it was asked for are ESTALE only if the file shrank since (see `read`).
+    sized_at: float = field(default_factory=time.monotonic)
     passthrough: bool = False  # the kernel reads and writes its staging file itself (ucfs.passthrough)
 
 
@@ -677,7 +678,7 @@ class Core:
             # Read-your-writes: local data not yet committed is the file's content.
             s = node.staged
             data = await self.committer.read_staged(node, off, size)
-            if (len(data) < size and (s.shrinking or h.opened_at < s.shrunk_at)
+            if (len(data) < size and (s.shrinking or h.sized_at < s.shrunk_at)
                     and off + len(data) < min(off + size, s.high_water)):
                 # The file was truncated (rewritten) while this handle was open, and this read was
                 # asked for when it was longer. A short answer inside the size the kernel may still
@@ -813,12 +814,16 @@ class Core:
                     await self.committer.fsync(s)
 
     async def setattr(self, ino: int, *, size: int | None = None, mtime_ns: int | None = None,
-                      fh: int | None = None, caller: Caller | None = None) -> Attributes:
+                      fh: int | None = None, caller: Caller | None = None, changes: bool = False) -> Attributes:
+        """truncate, utimens, chmod, chown. Only the size and a staged file's mtime are kept, but
+        each is a change: EROFS on a read-only volume or a synthetic level, EACCES without a write
+        grant, as for any write."""
         node = self.node(ino)
+        if changes or size is not None or mtime_ns is not None:
+            self._writer(caller, node)
         if size is not None:
             if node.kind.is_dir:
                 raise errors.fs_error(errors.EISDIR)
-            self._writer(caller, node)
             staged = node.staged or await self.committer.stage(node, truncate=size == 0)
             # truncate(1), or the kernel's O_TRUNC before an open, holds no handle: pin the staging
             # file so a commit finishing meanwhile cannot retire it under us.
@@ -828,6 +833,9 @@ class Core:
                     self.committer.observe(staged)
                 if staged.size != size or size == 0:
                     await self.committer.truncate(staged, size)
+                    h = self._handles.get(fh) if fh is not None else None
+                    if isinstance(h, FileHandle) and h.inode is node:
+                        h.sized_at = time.monotonic()  # ftruncate: this handle has seen the new size
                 if staged.writers == 0:
                     await self.committer.flush(staged)  # no open file: commit it
             finally:
@@ -900,20 +908,39 @@ class Core:
         self._note_removed(parent, name)
         self.inodes.detach(node)
         node.deleted = True
-        listing = parent.listing
+        if parent.listing is not None:
+            parent.listing.entries.pop(name, None)
+        await self._keep_dir(parent)
+
+    async def _keep_dir(self, d: Inode) -> None:
+        """d has just lost an entry. If that entry was what made d exist in the store (a directory
+        without a marker is only the common prefix of what lies beneath it), keep d, as a local file
+        system would, by giving it a marker. Without a listing of d, one short LIST tells."""
+        if d.kind is not Kind.DIR or d.deleted:
+            return
+        if any(c.staged is not None and not c.staged.dropped for c in d.children_by_name.values()):
+            return  # something beneath is on its way to the store
+        vol = d.volume
+        store = self.store_for(vol)
+        listing = d.listing
         if listing is not None:
-            listing.entries.pop(name, None)
-            if parent.kind is Kind.DIR and not listing.entries and not listing.marker:
-                # The directory existed only through its contents; keep it, as a local file system
-                # would, by giving it a marker.
-                vol = parent.volume
-                await self.store_for(vol).put(vol.bucket, parent.dir_prefix, b"", 0)
-                listing.marker = True
+            if listing.entries or listing.marker:
+                return
+        else:
+            page = await store.list_page(vol.bucket, d.dir_prefix, max_keys=1)
+            if page.objects or page.prefixes:
+                return  # its marker, or something else beneath it
+        await store.put(vol.bucket, d.dir_prefix, b"", 0)
+        if listing is not None:
+            listing.marker = True
 
     async def _is_empty(self, node: Inode) -> bool:
-        if any(c.staged is not None and not c.staged.dropped for c in node.children_by_name.values()):
+        # Files still to be committed anywhere beneath: a subdirectory without a marker (a prefix
+        # only, or made by a journal replay) would hide them from the children's own view.
+        p, vol = node.dir_prefix, node.volume
+        if any(not s.dropped and s.volume is vol and s.node.key.startswith(p)
+               for s in self.committer.staged.values()):
             return False
-        vol = node.volume
         page = await self.store_for(vol).list_page(vol.bucket, node.dir_prefix, max_keys=2)
         keys = [o.key for o in page.objects if o.key != node.dir_prefix]
         return not keys and not page.prefixes
@@ -939,8 +966,9 @@ class Core:
         vol = self._writer(caller, old_parent)
         if self._writer(caller, new_parent) is not vol:
             raise errors.fs_error(errors.EXDEV, "rename across volumes")  # mv then copies and deletes
-        if flags & RENAME_EXCHANGE:
-            raise errors.fs_error(errors.EINVAL, "RENAME_EXCHANGE is not supported")
+        if flags & ~RENAME_NOREPLACE:
+            # RENAME_EXCHANGE, RENAME_WHITEOUT: done as a plain rename, either would lie.
+            raise errors.fs_error(errors.EINVAL, f"unsupported rename flags {flags:#x}")
         node = await self._lookup(old_parent, old_name, caller)
         if node is None:
             raise errors.fs_error(errors.ENOENT)
@@ -974,6 +1002,8 @@ class Core:
             await self._rename_dir(store, vol, node, target, new_parent, new_name)
         if old_parent.listing is not None:
             old_parent.listing.entries.pop(old_name, None)
+        if old_parent is not new_parent:
+            await self._keep_dir(old_parent)
         if new_parent.listing is not None:
             new_parent.listing.entries[new_name] = (
                 Entry(True, mtime_ns=node.mtime_ns) if node.kind.is_dir
@@ -1057,7 +1087,8 @@ class Core:
             if old_prefix not in keys:
                 await store.put(vol.bucket, new_prefix, b"", 0)  # keep the (possibly empty) directory
             if target is not None:
-                await store.delete(vol.bucket, target.dir_prefix)
+                # The empty directory replaced: its marker, if any, was new_prefix, which now marks
+                # the moved directory (copied or put above). Nothing of it is left to delete.
                 self.inodes.detach(target)
                 target.deleted = True
             self.inodes.move(node, new_parent, new_name)

@@ -190,7 +190,10 @@ class Operations(pyfuse3.Operations):
     async def setattr(self, inode, attr, fields, fh, ctx):
         size = attr.st_size if fields.update_size else None
         mtime = attr.st_mtime_ns if fields.update_mtime else None
-        return _entry(await self.core.setattr(inode, size=size, mtime_ns=mtime, fh=fh, caller=_caller(ctx)))
+        changes = any((fields.update_size, fields.update_mtime, fields.update_atime, fields.update_ctime,
+                       fields.update_mode, fields.update_uid, fields.update_gid))
+        return _entry(await self.core.setattr(inode, size=size, mtime_ns=mtime, fh=fh, caller=_caller(ctx),
+                                              changes=changes))
 
     @_translate
     async def mkdir(self, parent_inode, name, mode, ctx):

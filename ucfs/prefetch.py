@@ -553,9 +553,13 @@ class ObjectReader:
         try:
             data, info = await self.store.get(self.bucket, self.key, start, length, etag=self.version.etag,
                                               into=buf)
-        except BaseException:
+        except BaseException as e:
             if buf is not None:
                 self.pool.release(buf)
+            if isinstance(e, errors.StoreError) and e.errno == errors.ENOENT:
+                # The version this handle reads was deleted: for the handle, as for a replaced one,
+                # the file changed under it (README "Semantics": Reads).
+                raise errors.StaleError(self.key) from e
             raise
         if len(data) != length:
             raise errors.StoreError(errors.EIO, f"store returned {len(data)} bytes for a {length}-byte "

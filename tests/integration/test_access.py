@@ -60,6 +60,10 @@ for op, *args in json.loads(sys.argv[1]):
             os.rename(args[0], args[1]); r = "ok"
         elif op == "truncate":
             os.truncate(args[0], 0); r = "ok"
+        elif op == "chmod":
+            os.chmod(args[0], 0o600); r = "ok"
+        elif op == "utime":
+            os.utime(args[0], (1, 1)); r = "ok"
         else:
             r = "unknown op"
     except OSError as e:
@@ -147,9 +151,9 @@ def test_read_only_grant_refuses_writes_with_eacces(granted, s3, bucket, prefix)
     f = str(vol / "hello.txt")
     bob = as_user(BOB, BOB, [["read", f], ["write", str(vol / "new.txt"), "x"], ["append", f, "x"],
                              ["truncate", f], ["mkdir", str(vol / "d")], ["unlink", f],
-                             ["rename", f, str(vol / "moved.txt")]])
+                             ["rename", f, str(vol / "moved.txt")], ["chmod", f], ["utime", f]])
     assert bob[0] == "hello from g.s.readonly_grant"
-    assert bob[1:] == ["EACCES"] * 6
+    assert bob[1:] == ["EACCES"] * 8
     alice = as_user(ALICE, ALICE, [["write", str(vol / "by-alice.txt"), "mine"],
                                    ["read", str(vol / "by-alice.txt")]])
     assert alice == ["ok", "mine"]
@@ -167,11 +171,15 @@ def test_read_only_grant_refuses_writes_with_eacces(granted, s3, bucket, prefix)
 def test_read_only_volume_is_erofs_for_everyone(granted):
     vol = granted.mountpoint / "g" / "s" / "frozen"
     ops = [["read", str(vol / "hello.txt")], ["write", str(vol / "new.txt"), "x"], ["mkdir", str(vol / "d")],
-           ["unlink", str(vol / "hello.txt")]]
-    assert as_user(ALICE, ALICE, ops) == ["hello from g.s.frozen", "EROFS", "EROFS", "EROFS"]
-    with pytest.raises(OSError) as e:  # root too: the volume itself is read-only
-        (vol / "root.txt").write_bytes(b"x")
-    assert e.value.errno == errno.EROFS
+           ["unlink", str(vol / "hello.txt")], ["chmod", str(vol / "hello.txt")], ["utime", str(vol / "hello.txt")]]
+    assert as_user(ALICE, ALICE, ops) == ["hello from g.s.frozen"] + ["EROFS"] * 5
+    # root too: the volume itself is read-only, and so are the synthetic levels above volumes
+    for change in (lambda: (vol / "root.txt").write_bytes(b"x"), lambda: os.chmod(vol / "hello.txt", 0o600),
+                   lambda: os.chown(vol / "hello.txt", 0, 0), lambda: os.utime(vol / "hello.txt", (1, 1)),
+                   lambda: os.chmod(granted.mountpoint / "g", 0o700)):
+        with pytest.raises(OSError) as e:
+            change()
+        assert e.value.errno == errno.EROFS
 
 
 def test_without_allow_other_only_the_mounting_user_gets_in(open_root, mount_factory, prefix, s3, bucket):

@@ -1,0 +1,109 @@
+"""Edges of the namespace and of the errno contract that a review found broken (README "Semantics":
+Namespace, Reads). Each test failed before its fix.
+
+Directories in an object store exist through a marker object or through what lies beneath them. A
+local file system keeps a directory until `rmdir`, so the mount must too: whatever removes the last
+thing beneath a directory gives it a marker.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import time
+
+import pytest
+
+from tests.support import keys, sync_dir
+
+libc = ctypes.CDLL(None, use_errno=True)
+AT_FDCWD = -100
+RENAME_WHITEOUT = 4
+TTL = 1.5  # past the mount's metadata TTL (1 s)
+
+
+def errno_of(fn) -> str | None:
+    try:
+        fn()
+    except OSError as e:
+        return errno.errorcode.get(e.errno, str(e.errno))
+    return None
+
+
+def test_renaming_a_directory_over_an_empty_one_keeps_it(mount, s3, bucket, prefix):
+    v = mount.path()
+    (v / "a").mkdir()
+    (v / "b").mkdir()
+    os.rename(v / "a", v / "b")
+    assert keys(s3, bucket, f"{prefix}/vol/") == [f"{prefix}/vol/b/"]
+    time.sleep(TTL)
+    assert os.listdir(v) == ["b"]
+
+
+def test_removing_the_last_file_of_a_prefix_only_directory_keeps_the_directory(mount, s3, bucket, prefix):
+    """The usual S3 layout has no markers. `rm d/f` (d never listed) and `mv d2/f .` (d2 listed)
+    each empty a directory that existed only through that file."""
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/d/f.txt", Body=b"x")
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/d2/f.txt", Body=b"y")
+    v = mount.path()
+    os.unlink(v / "d" / "f.txt")
+    os.listdir(v / "d2")
+    os.rename(v / "d2" / "f.txt", v / "g.txt")
+    assert keys(s3, bucket, f"{prefix}/vol/") == [f"{prefix}/vol/{k}" for k in ("d/", "d2/", "g.txt")]
+    time.sleep(TTL)
+    assert sorted(os.listdir(v)) == ["d", "d2", "g.txt"]
+    assert os.listdir(v / "d") == os.listdir(v / "d2") == []
+
+
+def test_rmdir_sees_a_pending_file_in_a_subdirectory_without_a_marker(mount, s3, bucket, prefix):
+    base = f"{prefix}/vol/"
+    s3.put_object(Bucket=bucket, Key=base + "a/b/x.txt", Body=b"x")
+    v = mount.path()
+    with open(v / "a" / "b" / "new.txt", "wb") as f:
+        f.write(b"pending data")
+        os.rename(v / "a" / "b" / "x.txt", v / "top.txt")  # b now holds only the file being written
+        assert errno_of(lambda: os.rmdir(v / "a")) == "ENOTEMPTY"
+    sync_dir(v)
+    assert f"{base}a/b/new.txt" in keys(s3, bucket, base)
+
+
+@pytest.mark.parametrize("args", [(), ("--no-passthrough",)])
+def test_a_handle_reads_back_what_it_truncated_itself(mount_factory, s3, bucket, prefix, args):
+    """ESTALE is for handles that had the file's older size; ftruncate through a handle tells it."""
+    m = mount_factory(args=args)
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/c.txt", Body=b"0123456789")
+    v = m.path()
+    fd = os.open(v / "c.txt", os.O_RDWR)
+    try:
+        os.ftruncate(fd, 3)
+        assert os.pread(fd, 100, 0) == b"012"
+    finally:
+        os.close(fd)
+    with open(v / "q.txt", "w+b") as f:
+        f.write(b"abcdefghij")
+        f.flush()
+        f.truncate(4)
+        f.seek(0)
+        assert f.read() == b"abcd"
+
+
+def test_rename_flags_other_than_noreplace_are_refused(mount):
+    v = mount.path()
+    (v / "f.txt").write_bytes(b"f")
+    r = libc.renameat2(AT_FDCWD, os.fsencode(v / "f.txt"), AT_FDCWD, os.fsencode(v / "h.txt"), RENAME_WHITEOUT)
+    assert r == -1 and ctypes.get_errno() == errno.EINVAL
+    assert os.listdir(v) == ["f.txt"]
+
+
+def test_reading_a_file_deleted_elsewhere_is_estale(mount, s3, bucket, prefix):
+    """The version an open handle reads is gone: as for a replaced one, the file changed under it."""
+    key = f"{prefix}/vol/big.bin"
+    s3.put_object(Bucket=bucket, Key=key, Body=os.urandom(24 << 20))
+    fd = os.open(mount.path() / "big.bin", os.O_RDONLY)
+    try:
+        os.pread(fd, 1, 0)
+        s3.delete_object(Bucket=bucket, Key=key)
+        assert errno_of(lambda: os.pread(fd, 4096, 20 << 20)) == "ESTALE"
+    finally:
+        os.close(fd)
