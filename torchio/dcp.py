@@ -24,6 +24,11 @@ its ``.metadata`` exists, so:
 3. ``.metadata`` is written as ``.metadata.tmp``, fsynced, and renamed (torch's `finish`); the rename
    is fsynced too. A failure anywhere before that raises out of ``dcp.save`` and leaves no
    ``.metadata``.
+4. Other hosts may hold views of the directory from before the save (the old ``.metadata`` that
+   every rank looks up while planning, shards read by an earlier load) for up to the mount's
+   metadata TTL. ``dcp.save`` therefore returns no sooner than ``settle_s`` (twice the default TTL)
+   after planning ended, so a load anywhere that starts after it sees only the new checkpoint, never
+   old and new shards mixed. A save that takes longer than that waits for nothing.
 
 `dcp.async_save` works the same way in its background thread (``BlockingAsyncStager`` copies the state
 to memory first, as `FileSystemWriter` does).
@@ -129,7 +134,8 @@ class UCVolumeWriter(FileSystemWriter):
 
     def __init__(self, path: str | os.PathLike, *, single_file_per_rank: bool = True,
                  thread_count: int = DEFAULT_THREAD_COUNT, per_thread_copy_ahead: int = 10_000_000,
-                 cache_staged_state_dict: bool = False, overwrite: bool = True, **kwargs):
+                 cache_staged_state_dict: bool = False, overwrite: bool = True,
+                 settle_s: float = DEFAULT_WAIT_VISIBLE_S, **kwargs):
         if kwargs.pop("sync_files", True) is False:
             log.warning("UCVolumeWriter ignores sync_files=False: without it a checkpoint could be "
                         "marked complete before its shards are in the store")
@@ -138,6 +144,8 @@ class UCVolumeWriter(FileSystemWriter):
                          cache_staged_state_dict=cache_staged_state_dict, overwrite=overwrite, **kwargs)
         self.fs = VolumeFileSystem()
         self.path = self.fs.init_path(path)
+        self.settle_s = settle_s
+        self._planned_at: float | None = None
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         plan = super().prepare_local_plan(plan)  # creates the directory; refuses if overwrite=False
@@ -146,14 +154,26 @@ class UCVolumeWriter(FileSystemWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        # The coordinator runs this after every rank planned and before any rank writes a shard.
+        # The coordinator runs this after every rank planned (and looked up the old .metadata) and
+        # before any rank writes a shard. Without collectives, every rank runs it for itself.
+        self._planned_at = time.monotonic()
         self._retract(self._get_metadata_path())
         return super().prepare_global_plan(plans)
 
     def _retract(self, metadata_path: os.PathLike) -> None:
-        if self.fs.exists(metadata_path):
-            log.info("%s: removing the metadata of the checkpoint being overwritten", metadata_path)
+        try:
             self.fs.rm_file(metadata_path)
+        except FileNotFoundError:
+            return  # none, or another rank saving without collectives removed it first
+        log.info("%s: removed the metadata of the checkpoint being overwritten", metadata_path)
+
+    def finish(self, metadata, results) -> None:
+        super().finish(metadata, results)
+        if self._planned_at is not None:
+            # What other hosts cached before the save expires before any rank's dcp.save returns.
+            wait = self._planned_at + self.settle_s - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
 
     def write_data(self, plan, planner):
         fut = super().write_data(plan, planner)

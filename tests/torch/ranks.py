@@ -252,6 +252,33 @@ class DyingWriter(UCVolumeWriter):
         return fut
 
 
+def dcp_overwrite_then_load_elsewhere(rank, world, port, volumes, out_dir):
+    """Two hosts: save step 1, load it on the other host; overwrite with step 2 in the same directory
+    and load at once on the other host. Each load must see one whole checkpoint."""
+    init_dist(rank, world, port)
+    mine, other = volumes[rank], volumes[(rank + 1) % world]
+    out = {}
+    for step in (1, 2):
+        state = {"w": torch.full((256,), float(step)), f"r{rank}": torch.full((8,), float(step)), "step": step}
+        dcp.save(state, storage_writer=UCVolumeWriter(f"{mine}/ckpt"))
+        got = {"w": torch.zeros(256), f"r{rank}": torch.zeros(8), "step": 0}
+        dcp.load(got, storage_reader=UCVolumeReader(f"{other}/ckpt"))
+        out[step] = {"step": got["step"], "w": got["w"][0].item(), "mine": got[f"r{rank}"][0].item()}
+        dist.barrier()
+    write_json(Path(out_dir) / f"rank{rank}.json", out)
+
+
+def dcp_rank_local_save_after_collective(rank, world, port, volume, out_dir):
+    """A collective save leaves a global .metadata; then every rank saves with use_collectives=False,
+    and each one's planning removes that .metadata (only one can)."""
+    init_dist(rank, world, port)
+    dcp.save({f"r{rank}": torch.ones(8)}, storage_writer=UCVolumeWriter(f"{volume}/ckpt"))
+    dist.barrier()
+    dcp.save({f"r{rank}": torch.ones(8) * 2}, storage_writer=UCVolumeWriter(f"{volume}/ckpt"),
+             use_collectives=False)
+    write_json(Path(out_dir) / f"rank{rank}.json", {"outcome": "ok"})
+
+
 def dcp_rank_killed(rank, world, port, volume, out_dir):
     """A complete checkpoint, then a second save into the same directory during which rank 1 dies."""
     init_dist(rank, world, port)

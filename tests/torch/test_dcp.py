@@ -70,6 +70,29 @@ def test_two_ranks_on_two_hosts_round_trip_and_torch_save(mount_factory, s3_endp
     assert all(json.loads((out / f"rank{r}.json").read_text())["ok"] for r in range(2))
 
 
+def test_a_load_right_after_an_overwrite_on_another_host_sees_one_whole_checkpoint(mount_factory, tmp_path):
+    """Every rank looks the old .metadata up while planning; the other host's view of it (and of the
+    old shards) lasts a TTL. Before dcp.save waited that out, the load got old and new shards mixed,
+    silently, or ESTALE."""
+    a, b = mount_factory(name="a"), mount_factory(name="b")
+    out = tmp_path / "out"
+    out.mkdir()
+    run_ranks(ranks.dcp_overwrite_then_load_elsewhere, 2, [str(a.path()), str(b.path())], str(out))
+    for r in range(2):
+        got = json.loads((out / f"rank{r}.json").read_text())
+        assert got == {str(s): {"step": s, "w": float(s), "mine": float(s)} for s in (1, 2)}, (r, got)
+
+
+def test_ranks_saving_without_collectives_over_a_collective_checkpoint(mount, tmp_path):
+    """Each rank's planning removes the old global .metadata; the second to get there must not fail.
+    (The race lost 3 of 5 first tries.)"""
+    for attempt in range(2):
+        out = tmp_path / f"out{attempt}"
+        out.mkdir()
+        run_ranks(ranks.dcp_rank_local_save_after_collective, 2, str(mount.path()), str(out))
+        assert all(json.loads((out / f"rank{r}.json").read_text())["outcome"] == "ok" for r in range(2))
+
+
 @pytest.mark.slow
 def test_a_rank_killed_during_save_leaves_no_metadata(mount, s3, bucket, prefix, tmp_path):
     out = tmp_path / "out"
