@@ -130,6 +130,17 @@ def _close_and_remove(fd: int, path: Path) -> None:
         pass
 
 
+def _copy_file(src: int, dst: int, size: int) -> None:
+    """Copy the first `size` bytes of src into the empty dst and make them durable (blocking)."""
+    off = 0
+    while off < size:
+        n = os.copy_file_range(src, dst, size - off, off, off)
+        if n == 0:
+            break  # src is shorter than recorded: keep what it has
+        off += n
+    os.fdatasync(dst)
+
+
 def _first_hole(fd: int, start: int) -> int:
     """Where the first hole at or after `start` begins (the end of the file if none), or `start`
     for a file system that cannot say: assume the worst."""
@@ -189,6 +200,18 @@ class Stream:
 
 
 @dataclass(eq=False)
+class _Kept:
+    """A closed version of a staged file, kept in a staging file of its own while the file is written
+    again (`Committer.keep_closed_version`): the journal row names it until a later close or commit."""
+
+    path: Path
+    fd: int
+    size: int
+    mtime_ns: int
+    generation: int  # the flushed generation it holds
+
+
+@dataclass(eq=False)
 class Staged:
     node: Inode
     volume: Volume
@@ -241,6 +264,10 @@ class Staged:
     look_every: float = PASSTHROUGH_POLL_S  # `_watch_passthrough`: how often, and when next
     next_look: float = 0.0
     created_at: float = field(default_factory=time.time)
+    kept: _Kept | None = None  # the closed version waiting for its commit while this is written again
+    # Kept versions superseded while a commit held the lock (it may be reading one): whoever holds
+    # the lock removes them when done (`_remove_superseded`).
+    superseded: list[_Kept] = field(default_factory=list)
     lock: trio.Lock = field(default_factory=trio.Lock)  # data changes vs. snapshot reads
     commit_lock: trio.Lock = field(default_factory=trio.Lock)  # one commit at a time
     # One flush at a time: two closes at once (a reader's and the writer's) both found no journal row
@@ -341,7 +368,8 @@ class Committer:
             fd = os.open(staging, os.O_RDWR)
             st = os.fstat(fd)
             s = Staged(node, vol, staging, fd, st.st_size, st.st_mtime_ns, rid=r.id, generation=1,
-                       flushed_generation=1, attempts=r.attempts, appends_only=False, replayed=True)
+                       flushed_generation=1, attempts=r.attempts, appends_only=False, replayed=True,
+                       created_at=r.created)
             node.staged = s
             self.staged[node.ino] = s
             self._enqueue(s)
@@ -481,6 +509,7 @@ class Committer:
         """The inode's staging file, made if needed (a copy of the object unless truncating)."""
         if node.staged is not None:
             s = node.staged
+            await self.keep_closed_version(s, truncate=truncate)
             if truncate and s.size:
                 # Pinned: a commit finishing meanwhile must not retire it under the truncate. The
                 # caller takes a handle before its next await.
@@ -507,6 +536,103 @@ class Committer:
         node.staged = s
         self.staged[node.ino] = s
         return s
+
+    async def keep_closed_version(self, s: Staged, *, truncate: bool) -> None:
+        """s is about to be written again (an open for writing, a truncating open). If a close of it
+        is still waiting for its commit, its journal row names the staging file that is about to
+        change: a crash during the new write would then publish bytes nobody closed, in place of the
+        version that was closed, and a commit retried meanwhile would upload them (README
+        "Semantics": Durability). So that version moves to a staging file of its own first, the row
+        is pointed at it, and it is committed from there (`_commit_kept`) unless a later close or
+        commit supersedes it. A truncating open with no handle open takes the file itself for the
+        kept version and starts an empty one; otherwise the closed bytes are copied.
+
+        s stays pinned throughout: a commit finishing meanwhile must not retire it under the open,
+        which takes its handle as soon as this returns."""
+        s.handles += 1
+        try:
+            await self._keep_closed_version(s, truncate=truncate)
+        except BaseException:
+            self.unpin(s)
+            raise
+        s.handles -= 1
+
+    async def _keep_closed_version(self, s: Staged, *, truncate: bool) -> None:
+        async with s.flush_lock:
+            if (s.rid is None or s.kept is not None or s.dropped
+                    or s.flushed_generation <= s.committed_generation):
+                return  # nothing closed waits, or its version is kept already
+            path, fd = await self._staging_file()
+            if truncate and s.handles == 1 and not s.commit_lock.locked():  # only our pin
+                kept = _Kept(s.path, s.fd, s.size, s.mtime_ns, s.flushed_generation)
+                if s.backing_id is not None:
+                    self.core.passthrough.close_backing(s.backing_id)  # bound to the kept file
+                    s.backing_id = None
+                self._invalidate_stream(s, "written again")
+                s.path, s.fd, s.size, s.filled, s.unsynced = path, fd, 0, 0, 0
+                s.appends_only = True
+                s.generation += 1
+            else:
+                try:
+                    async with s.lock:
+                        await run_disk(_copy_file, s.fd, fd, s.size)
+                except BaseException:
+                    await run_disk(_close_and_remove, fd, path)
+                    raise
+                kept = _Kept(path, fd, s.size, s.mtime_ns, s.flushed_generation)
+            await self.journal.restage(s.rid, kept.path.name)
+            s.kept = kept
+            self.stats["closed_versions_kept"] += 1
+            log.debug("%s is written again before its last close was committed; that version is "
+                     "kept aside until then", s.node.mount_path())
+
+    def _end_kept(self, s: Staged) -> None:
+        """s's kept version is in the store, or a newer version is, or the file is gone: remove it
+        and the journal row that names it."""
+        kept, s.kept = s.kept, None
+        if kept is None:
+            return
+        if s.rid is not None:
+            self.journal.remove_nowait(s.rid)
+            s.rid = None
+        self._remove_later(kept.fd, kept.path)
+
+    def _supersede_kept(self, s: Staged) -> None:
+        """A later close of s has taken the journal row over: its kept version is never to be
+        committed. Removed now, or by the commit holding the lock (which may be reading it)."""
+        kept, s.kept = s.kept, None
+        if kept is not None:
+            s.superseded.append(kept)
+        if not s.commit_lock.locked():
+            self._remove_superseded(s)
+
+    def _remove_superseded(self, s: Staged) -> None:
+        while s.superseded:
+            kept = s.superseded.pop()
+            self._remove_later(kept.fd, kept.path)
+
+    def _remove_later(self, fd: int, path: Path) -> None:
+        if self._nursery is None:
+            _close_and_remove(fd, path)
+            return
+        self._removals.append((fd, path))
+        if not self._removing:
+            self._removing = True
+            self._nursery.start_soon(self._remove_retired)
+
+    async def _commit_kept(self, s: Staged) -> None:
+        """Commit s's kept closed version (under s's commit lock) while s itself is written again."""
+        kept = s.kept
+        shadow = Staged(s.node, s.volume, kept.path, kept.fd, kept.size, kept.mtime_ns,
+                        generation=kept.generation, flushed_generation=kept.generation,
+                        pt_written=True)  # the kernel's pages hold the new writes, not this
+        await self._commit(shadow)
+        s.committed_generation = max(s.committed_generation, kept.generation)
+        s.attempts = 0
+        s.error = None
+        if s.kept is kept:  # else a close superseded it meanwhile, and the row is that close's
+            self._end_kept(s)
+        s.notify()
 
     async def _copy_in(self, node: Inode, s: Staged) -> None:
         """Fill a staging file with the object's current bytes (for append and in-place edits)."""
@@ -778,7 +904,9 @@ class Committer:
                     finally:
                         s.row_pending = False
                 else:
-                    await self.journal.mark_ready(s.rid, s.size, path)
+                    await self.journal.mark_ready(s.rid, s.size, path, s.path.name)
+                    if s.kept is not None:
+                        self._supersede_kept(s)  # this close is newer: the row names it now
                 # While the row was written, the file may have been renamed or unlinked, and that
                 # found no row to change: the row must not publish it under the old name, or bring
                 # it back, after a crash.
@@ -880,12 +1008,14 @@ class Committer:
             try:
                 await self._commit(s, in_place=True)
             except (_Changed, errors.StoreError, OSError) as e:
+                self._remove_superseded(s)
                 if not isinstance(e, _Changed):
                     s.attempts += 1
                 log.info("committing %s at once did not work (%s); it is staged and queued instead",
                          s.node.mount_path(), e)
                 self.stats["in_place_fallbacks"] += 1
                 return False
+            self._remove_superseded(s)
         return s.committed_generation >= gen
 
     # -- the queue ------------------------------------------------------------------------------
@@ -911,10 +1041,20 @@ class Committer:
             s = await self._next()
             async with s.commit_lock:
                 s.abandon = False  # whoever asked has had the lock by now (or gave up waiting)
-                if s.dropped or not s.dirty or s.flushed_generation < 0 or s.node.staged is not s:
+                self._remove_superseded(s)
+                if s.dropped or s.node.staged is not s:
                     continue
+                kept = s.kept is not None
+                if not kept and (not s.dirty or s.flushed_generation < 0):
+                    continue
+                if (not kept and s.writers > 0 and not s.fsync_waiters
+                        and (s.generation > s.flushed_generation or s.pt_writers)):
+                    continue  # written since its last close, and still open: the last release queues it
                 try:
-                    await self._commit(s)
+                    if kept:
+                        await self._commit_kept(s)
+                    else:
+                        await self._commit(s)
                 except _Changed as e:
                     log.debug("commit of %s starts again: %s", s.node.mount_path(), e)
                     self.stats["restarted"] += 1
@@ -926,6 +1066,8 @@ class Committer:
                 except Exception as e:  # noqa: BLE001 - a bug must not kill the worker pool
                     log.exception("commit of %s failed unexpectedly", s.node.mount_path())
                     self._failed(s, errors.StoreError(errors.EIO, f"unexpected: {e!r}", transient=True))
+                finally:
+                    self._remove_superseded(s)
             self._maybe_retire(s)
 
     def _failed(self, s: Staged, e: errors.StoreError) -> None:
@@ -1004,6 +1146,8 @@ class Committer:
         s.committed_generation = max(s.committed_generation, gen)
         s.attempts = 0
         s.error = None
+        if s.kept is not None and gen > s.kept.generation:
+            self._end_kept(s)  # a newer version is in the store: the kept one must never follow it
         self.stats["committed"] += 1
         self.stats["committed_bytes"] += s.size
         log.debug("committed %s (%d bytes) in %.2f s", node.mount_path(), s.size, time.monotonic() - t0)
@@ -1411,6 +1555,7 @@ class Committer:
                 # Durably before unlink/rename returns: a row left behind by a crash would bring
                 # the deleted file back, and publish it, at the next mount.
                 await self.journal.remove(rid)
+            self._end_kept(s)
             s.notify()
         self._maybe_retire(s)
 
@@ -1441,7 +1586,7 @@ class Committer:
                 await self.journal.rename(s.rid, path)
             # Not while a writer still has it open and has written since the content recorded:
             # that would publish a snapshot of a file half written. Its last close queues it.
-            if s.writers == 0 or s.generation <= s.flushed_generation:
+            if s.writers == 0 or s.generation <= s.flushed_generation or s.kept is not None:
                 self._enqueue(s)
         elif s.rid is not None:
             await self.journal.rename(s.rid, path)
@@ -1453,6 +1598,8 @@ class Committer:
         if s.retired or s.handles > 0 or s.commit_lock.locked() or (s.dirty and not s.dropped):
             return
         s.retired = True
+        self._end_kept(s)
+        self._remove_superseded(s)
         node = s.node
         if node.staged is s:
             node.staged = None
@@ -1463,18 +1610,12 @@ class Committer:
         if s.backing_id is not None:
             self.core.passthrough.close_backing(s.backing_id)
             s.backing_id = None
-        if self._nursery is not None:
-            # Off the event loop: on ext4 the close of a file that was truncated and written again
-            # starts its writeback (auto_da_alloc), measured at 100-300 ms on a busy disk, during
-            # which every FUSE request would wait. The fd stays ours until the thread closes it.
-            # Files retired meanwhile go in the same trip: 64 small files committed at once would
-            # otherwise cost 64 trips to a thread and back.
-            self._removals.append((s.fd, s.path))
-            if not self._removing:
-                self._removing = True
-                self._nursery.start_soon(self._remove_retired)
-        else:
-            _close_and_remove(s.fd, s.path)
+        # Off the event loop: on ext4 the close of a file that was truncated and written again
+        # starts its writeback (auto_da_alloc), measured at 100-300 ms on a busy disk, during which
+        # every FUSE request would wait. The fd stays ours until the thread closes it. Files retired
+        # meanwhile go in the same trip: 64 small files committed at once would otherwise cost 64
+        # trips to a thread and back.
+        self._remove_later(s.fd, s.path)
         if s.rid is not None:
             self.journal.remove_nowait(s.rid)
             s.rid = None

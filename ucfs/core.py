@@ -794,8 +794,16 @@ class Core:
 
     async def flush(self, fh: int) -> None:
         h = self.file_handle(fh)
-        if h.staged is not None:
-            await self.committer.flush(h.staged, unseen=h.passthrough and h.writable)
+        s = h.staged
+        if s is None:
+            return
+        if h.writable or s.writers == 0:
+            await self.committer.flush(s, unseen=h.passthrough and h.writable)
+        elif s.error is not None:
+            # A reader's close while a writer still writes records nothing: recording would make
+            # the half-written content the file's closed version (published after a crash). It
+            # still reports a failed commit, as every close does.
+            raise s.error
 
     async def fsync(self, fh: int) -> None:
         h = self.file_handle(fh)

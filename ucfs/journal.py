@@ -157,9 +157,13 @@ class Journal:
             "INSERT INTO pending (volume, path, staging, size, state, created, updated) "
             "VALUES (?, ?, ?, ?, 'ready', ?, ?)", (volume, path, staging, size, now, now))
 
-    async def mark_ready(self, rid: int, size: int, path: str) -> None:
-        await self._execute("UPDATE pending SET size=?, path=?, state='ready', error='', updated=? WHERE id=?",
-                            (size, path, time.time(), rid))
+    async def mark_ready(self, rid: int, size: int, path: str, staging: str) -> None:
+        await self._execute("UPDATE pending SET size=?, path=?, staging=?, state='ready', error='', updated=? "
+                            "WHERE id=?", (size, path, staging, time.time(), rid))
+
+    async def restage(self, rid: int, staging: str) -> None:
+        """The row's content now lives in another staging file (commit.Committer.keep_closed_version)."""
+        await self._execute("UPDATE pending SET staging=? WHERE id=?", (staging, rid))
 
     async def rename(self, rid: int, path: str) -> None:
         await self._execute("UPDATE pending SET path=?, updated=? WHERE id=?", (path, time.time(), rid))
