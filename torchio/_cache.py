@@ -25,6 +25,11 @@ by a process that died between reserving room and filling it. Files used in the 
 ``protect_s`` seconds are never evicted: they may have just been handed to a consumer that has not
 opened them yet. When room cannot be found the file is *bypassed*: the caller reads it from the mount.
 
+**Eviction and hits.** A hit takes no lock, so one may land on a file after the scan read its mtime
+and chose it. The file is therefore checked again, then moved aside (``<name>.evict.<pid>``, a name
+no lookup asks for) and checked once more before it is deleted; a hit found there puts it back. A
+lookup after the move is a miss, and fills the file again.
+
 No torch in here: the cache is plain files and locks, tested on its own.
 """
 
@@ -342,18 +347,24 @@ class FileCache:
         """Recount what is on disk; with `evict`, delete LRU files until `nbytes` more fit. Returns the
         bytes in use afterwards. Called with the lock held."""
         now = time.time()
-        files: list[tuple[float, int, str]] = []
+        files: list[tuple[int, int, str]] = []
         used = 0
         for sub in _scandir(self.base / "objects"):
             if not sub.is_dir(follow_symlinks=False):
                 continue
             for e in _scandir(sub.path):
+                if _set_aside(e.name):
+                    # Evictions run under this lock, so no other is between its two renames now: this
+                    # one was left by a process that died there. It was on its way out; finish it.
+                    with _suppress_missing():
+                        os.unlink(e.path)
+                    continue
                 try:
                     st = e.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
                 if stat.S_ISREG(st.st_mode):
-                    files.append((st.st_mtime, disk_bytes(st.st_size), e.path))
+                    files.append((st.st_mtime_ns, disk_bytes(st.st_size), e.path))
                     used += disk_bytes(st.st_size)
         for e in _scandir(self.base / "tmp"):
             try:
@@ -370,18 +381,60 @@ class FileCache:
         target = min(int(self.capacity_bytes * EVICT_TO_FRACTION), self.capacity_bytes - nbytes)
         files.sort()
         freed = evicted = 0
-        for mtime, size, path in files:
+        for mtime_ns, size, path in files:
             if used <= target and self._free_bytes() - nbytes >= self.free_floor_bytes:
                 break
-            if now - mtime < self.protect_s:
+            if now - mtime_ns / NS_PER_S < self.protect_s:
                 break  # everything from here on is in use right now
-            with _suppress_missing():
-                os.unlink(path)
-            used -= size  # gone either way
+            if not self._evict(path, mtime_ns):
+                continue  # used since the scan: keep it, try the next oldest
+            used -= size
             freed += size
             evicted += 1
         log.info("cache %s: evicted %d files (%d bytes); %d bytes in use", self.root, evicted, freed, used)
         return used
+
+    def _used_since(self, st: os.stat_result, scanned_ns: int) -> bool:
+        """Whether a file the scan saw with mtime `scanned_ns` has been used since (a hit touched it,
+        or a fill replaced it), or just now, within `protect_s`."""
+        return st.st_mtime_ns != scanned_ns or time.time() - st.st_mtime < self.protect_s
+
+    def _evict(self, path: str, scanned_ns: int) -> bool:
+        """Delete cached file `path` unless a hit has used it since the scan. True when it is gone.
+
+        A hit (`lookup`) takes no lock: it stats the file, touches it, and hands its path to a
+        consumer that opens it later. Unlinking on the scan's word alone deleted files handed out
+        while the scan ran, and the consumer's open failed. Moving the file aside first makes later
+        lookups miss (their touch finds no file), so a touch that succeeded happened before the move
+        and shows on the file moved aside: the check there is the one that counts. The check before
+        the move only spares most used files the two renames. What remains is a consumer given the
+        path in the moment between the first check and the move, that opens it in the moment
+        between the two renames: far narrower than the whole scan before, and not closed without a
+        lock on every hit.
+        """
+        try:
+            if self._used_since(os.stat(path), scanned_ns):
+                return False
+        except FileNotFoundError:
+            return True
+        aside = f"{path}.evict.{os.getpid()}"
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            return True
+        try:
+            keep = self._used_since(os.stat(aside), scanned_ns)
+        except FileNotFoundError:
+            return True
+        if keep:
+            # A lookup in between missed and may have filled the same name again: same source, same
+            # size and mtime, same bytes. Putting ours back replaces that copy, which stays counted
+            # twice (an overestimate, on the safe side) until the next scan recounts.
+            os.rename(aside, path)
+            return False
+        with _suppress_missing():
+            os.unlink(aside)
+        return True
 
     # -- the usage file and its lock ------------------------------------------------------------
     class _Locked:
@@ -475,6 +528,14 @@ def _tmp_owner_dead(name: str) -> bool:
             return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
     except (OSError, IndexError):
         return False
+
+
+def _set_aside(name: str) -> bool:
+    """Whether `name` in objects/ is a file an eviction moved aside (``<name>.evict.<pid>``). A
+    cached file's name has one dot at most (``<hex><suffix>``, see `local_path`), so no cached file
+    is taken for one, whatever its extension."""
+    parts = name.rsplit(".", 2)
+    return len(parts) == 3 and parts[1] == "evict" and parts[2].isdigit()
 
 
 def _scan_id() -> int:

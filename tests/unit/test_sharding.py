@@ -339,6 +339,90 @@ def test_cache_recounts_usage_after_drift(tmp_path):
     assert cache.usage_bytes() == disk_bytes(10_000)
 
 
+def _aged_cache_pair(tmp_path, n: int):
+    """Two caches on one directory (separate flock descriptions, as in two processes), holding n
+    files of 4000 bytes last used two minutes ago, the first of them least recently."""
+    root = tmp_path / "c"
+    a = FileCache(root, capacity_bytes=16 * 4096, free_floor_bytes=0, protect_s=60)
+    b = FileCache(root, capacity_bytes=16 * 4096, free_floor_bytes=0, protect_s=60)
+    old = [src_file(tmp_path, f"old{i}", 4000) for i in range(n)]
+    past = time.time() - 120
+    for k, f in enumerate(old):
+        a.get(f)
+        os.utime(a.local_path(f), (past - (10 if k == 0 else 0),) * 2)
+    return a, b, old
+
+
+def test_a_hit_during_an_eviction_scan_is_not_deleted(tmp_path, monkeypatch):
+    """Process a gets a path from lookup() (a hit, which marks it used) after process b's eviction
+    scan has read the mtimes it sorts by and picked that file as the least recently used: b must
+    see the hit and keep the file, or a's consumer fails to open what it was given."""
+    import torchio._cache as cache_mod
+
+    a, b, old = _aged_cache_pair(tmp_path, 14)
+    victim = old[0]
+    given = {}
+    real_scandir = cache_mod._scandir
+
+    def scandir(path):
+        # The scan lists objects/*, then tmp/: by then it holds the stats it will sort by.
+        if str(path).endswith("/objects"):
+            given["scanning"] = True
+        elif str(path).endswith("/tmp") and given.get("scanning") and "path" not in given:
+            given["path"] = a.lookup(victim)
+        return real_scandir(path)
+
+    monkeypatch.setattr(cache_mod, "_scandir", scandir)
+    for f in (src_file(tmp_path, f"new{i}", 4000) for i in range(6)):
+        assert not b.get(f).bypassed  # b fills past the capacity: it evicts
+    monkeypatch.setattr(cache_mod, "_scandir", real_scandir)
+    assert given["path"] is not None
+    with open(given["path"], "rb") as f:
+        assert f.read() == open(victim.path, "rb").read()
+    assert any(a.lookup(f) is None for f in old[1:])  # others went instead
+    assert b.usage_bytes() <= b.capacity_bytes
+
+
+def test_a_hit_just_before_an_eviction_takes_the_file_keeps_it(tmp_path, monkeypatch):
+    """The hit lands after b's last look at the file's mtime, just before b moves it aside: b sees
+    it on the file it moved, and puts it back."""
+    a, b, old = _aged_cache_pair(tmp_path, 16)
+    victim = old[0]
+    given = {}
+    real_rename = os.rename
+
+    def rename(src, dst, *args, **kw):
+        if ".evict." in os.fspath(dst) and os.fspath(src) == a.local_path(victim) and "path" not in given:
+            given["path"] = a.lookup(victim)
+        return real_rename(src, dst, *args, **kw)
+
+    monkeypatch.setattr(os, "rename", rename)
+    assert not b.get(src_file(tmp_path, "new", 4000)).bypassed
+    monkeypatch.setattr(os, "rename", real_rename)
+    assert given["path"] is not None
+    with open(given["path"], "rb") as f:
+        assert f.read() == open(victim.path, "rb").read()
+    assert any(a.lookup(f) is None for f in old[1:])
+    # Nothing is left aside, and what was put back is counted.
+    names = [n for _, _, fs in os.walk(a.base / "objects") for n in fs]
+    assert not [n for n in names if ".evict." in n] and len(names) < 17
+    (a.base / "usage").write_text("garbage")
+    assert b.usage_bytes() == len(names) * 4096
+
+
+def test_a_file_left_aside_by_a_dead_eviction_is_removed_and_not_counted(tmp_path):
+    cache = FileCache(tmp_path / "c", capacity_bytes=1 << 30, free_floor_bytes=0)
+    f = src_file(tmp_path, "x.evict", 10_000)  # an extension that looks like the marker
+    local = cache.get(f).path
+    aside = f"{cache.local_path(src_file(tmp_path, 'y', 8000))}.evict.{2**22 + 1}"
+    os.makedirs(os.path.dirname(aside), exist_ok=True)
+    with open(aside, "wb") as out:
+        out.write(b"\0" * 8000)
+    (cache.base / "usage").write_text("garbage")
+    assert cache.usage_bytes() == disk_bytes(10_000)
+    assert not os.path.exists(aside) and cache.lookup(f) == local
+
+
 def _fill_many(root: str, paths: list[tuple[str, int, int]], q) -> None:
     cache = FileCache(root, capacity_bytes=40 * 4096, free_floor_bytes=0, protect_s=0)
     for p in paths:
