@@ -271,10 +271,15 @@ class FileCache:
         flock on ``usage`` at every fill was where the copies queued. A scan recounts ``usage``
         from what is on disk, which leaves every credit out, so it bumps a scan count kept beside
         the total (a new random id per scan) and a credit taken before the last scan is void. Room taken and not used by a
-        process that exits stays counted until the next scan, which a cache that seems full runs."""
+        process that exits stays counted until the next scan, which a cache that seems full runs.
+
+        Credit is room under the capacity only: the free space on the file system is another
+        program's to take, so a fill on credit still looks at it (one statvfs, no lock), and below
+        the floor goes the locked way, which evicts or bypasses."""
         with self._thread_lock:
             if self._credit >= nbytes and self._lock_fd is not None:
-                if self._read_usage(self._lock_fd)[1] == self._credit_scans:
+                if (self._read_usage(self._lock_fd)[1] == self._credit_scans
+                        and self._free_bytes() - nbytes >= self.free_floor_bytes):
                     self._credit -= nbytes
                     return self._credit_scans
         if nbytes > self.capacity_bytes:

@@ -519,6 +519,21 @@ def test_cache_fills_take_room_in_advance_and_a_scan_voids_it(tmp_path, monkeypa
     assert a.usage_bytes() <= a.capacity_bytes
 
 
+def test_the_free_space_floor_holds_for_fills_on_room_taken_in_advance(tmp_path, monkeypatch):
+    """Room taken in advance skips the lock, not the floor: once another program has filled the
+    disk below it, the next fill is bypassed even though the process still holds credit."""
+    cache = FileCache(tmp_path / "c", capacity_bytes=1 << 30, free_floor_bytes=1 << 30)
+    free = [10 << 30]
+    monkeypatch.setattr(FileCache, "_free_bytes", lambda self: free[0])
+    assert not cache.get(src_file(tmp_path, "a", 4000)).bypassed  # takes room in advance
+    assert cache._credit >= 4096
+    free[0] = (1 << 30) - 1
+    got = cache.get(src_file(tmp_path, "b", 4000))
+    assert got.bypassed and got.path.endswith("/src/b")
+    free[0] = 10 << 30  # room again: fills resume
+    assert not cache.get(src_file(tmp_path, "c", 4000)).bypassed
+
+
 def test_a_listing_travels_between_ranks_intact():
     """What rank 0 publishes for the others (torchio._agree) decodes to the same entries, whatever
     the names hold; and outside a process group nothing is published or awaited."""
