@@ -38,7 +38,9 @@ counts what it yields. With worker processes the dataset the consumer holds is a
 iterates; `torchio.DataLoader` counts the batches it hands out and tells the dataset. A plain
 `torch.utils.data.DataLoader` with workers cannot, so use torchio's for mid-epoch resume with
 workers. Exactness needs the DataLoader's default ``in_order=True`` and, for a wrapping dataset, one
-sample per path, in order.
+sample per path, in order. With either loader a loaded state applies to the first pass after it
+only: torch's does not say when a pass starts, so there each worker notes the state it has applied
+(see `_worker_resume_start`).
 
 **Worker processes hold copies.** `set_epoch`, `load_state_dict` and what torchio's DataLoader
 publishes (rank, world size, batch size) go into a small shared-memory tensor that the copies read
@@ -86,12 +88,15 @@ DEFAULT_READAHEAD_FILES = 64
 STATE_VERSION = 1
 
 # The shared control block: int64 slots read by every copy of the dataset.
-_EPOCH, _RESUME_EPOCH, _RESUME_START, _RESUME_WORLD, _BATCH, _RANK, _WORLD = range(7)
-_HEADER = 8
-_COUNTERS = ("hits", "misses", "bypassed", "copied_bytes", "fetch_ns", "direct")
+_EPOCH, _RESUME_EPOCH, _RESUME_START, _RESUME_WORLD, _BATCH, _RANK, _WORLD, _RESUME_GEN = range(8)
 # Counter slots: one per DataLoader worker id up to 63, and the last one for the consumer's process.
 _SLOTS = 65
 _MAIN_SLOT = _SLOTS - 1
+# Then, per DataLoader worker id up to 63, the resume generation (`_RESUME_GEN`, one per loaded
+# state) that worker id has applied; see `_worker_resume_start`.
+_APPLIED = 8
+_HEADER = _APPLIED + _MAIN_SLOT
+_COUNTERS = ("hits", "misses", "bypassed", "copied_bytes", "fetch_ns", "direct")
 
 
 def default_cache_dir() -> Path:
@@ -295,6 +300,7 @@ class UCVolumeDataset(IterableDataset):
         b[_RESUME_EPOCH] = int(state["epoch"])
         b[_RESUME_START] = consumed
         b[_RESUME_WORLD] = int(state["world_size"])
+        b[_RESUME_GEN] += 1  # every worker applies this state once (see `_worker_resume_start`)
         self._resume_armed = True
         self._progress = (int(state["epoch"]), consumed)
 
@@ -331,6 +337,36 @@ class UCVolumeDataset(IterableDataset):
                              f"this run has {world}")
         return int(b[_RESUME_START])
 
+    def _worker_resume_start(self, epoch: int, worker: int, workers: int) -> int:
+        """`_resume_start` in DataLoader worker `worker` of `workers`, once per loaded state.
+
+        torchio's DataLoader disarms a loaded state in the consumer's process when a later pass
+        begins (`_begin_iteration`). torch's own cannot, so its workers applied the state on every
+        pass of that epoch: each pass after a resume yielded only the rest of the epoch. So each
+        worker id records the resume generation it applied, in the shared block where it outlives
+        the process of a non-persistent worker, and applies a generation in one pass only.
+
+        A worker also marks the ids above its pass's worker count: a later pass with more workers
+        is still a later pass, and all its workers must agree, or the shards overlap. For the same
+        reason a pass with more workers than there are slots keeps the old rule for all of them
+        (the state applies in every pass of its epoch): use torchio's DataLoader with that many.
+        """
+        if workers > _MAIN_SLOT:
+            return self._resume_start(epoch)
+        b = self._block
+        gen = int(b[_RESUME_GEN])
+        if int(b[_APPLIED + worker]) == gen:
+            return 0
+        start = self._resume_start(epoch)
+        b[_APPLIED + worker] = gen
+        b[_APPLIED + workers:_APPLIED + _MAIN_SLOT] = gen
+        return start
+
+    def _resume_used_here(self) -> None:
+        """A pass in the consumer's process has used the loaded state: worker copies must not
+        apply it again in a later pass (see `_worker_resume_start`)."""
+        self._block[_APPLIED:_APPLIED + _MAIN_SLOT] = int(self._block[_RESUME_GEN])
+
     def _rank_world(self) -> tuple[int, int]:
         b = self._block
         if get_worker_info() is not None and int(b[_WORLD]) > 0:
@@ -344,10 +380,11 @@ class UCVolumeDataset(IterableDataset):
         info = get_worker_info()
         if info is None:
             epoch, start = self._begin_iteration()
+            self._resume_used_here()
             worker, workers, slot = 0, 0, _MAIN_SLOT
         else:
             epoch = int(self._block[_EPOCH])
-            start = self._resume_start(epoch)
+            start = self._worker_resume_start(epoch, info.id, info.num_workers)
             worker, workers = info.id, info.num_workers
             slot = info.id if info.id < _MAIN_SLOT else None
         rank, world = self._rank_world()

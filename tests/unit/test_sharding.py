@@ -232,6 +232,38 @@ def test_resume_mid_epoch_yields_exactly_the_rest(tree, tmp_path, workers_before
     assert ds2.state_dict()["consumed"] == 0
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_loaded_state_applies_once_with_a_plain_torch_loader(tree, tmp_path, workers, persistent):
+    """torch's own DataLoader does not tell the dataset when a pass starts, as torchio's does: the
+    workers themselves must apply a loaded state in the first pass after it only."""
+    ds = make(tree, tmp_path, shuffle=True, seed=4, batch_size=4)
+    loader = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=workers,
+                                         persistent_workers=persistent)
+    order = [os.path.basename(ds.files[i]) for i in _shard.epoch_order(37, epoch=2, seed=4, shuffle=True)]
+
+    def one_pass():
+        return names(p for b in loader for p in b)
+
+    ds.load_state_dict({**ds.state_dict(), "epoch": 2, "consumed": 10})
+    assert one_pass() == order[10:]
+    assert one_pass() == order
+    ds.set_epoch(2)  # the epoch the state was saved in: still no second resume
+    assert one_pass() == order
+    ds.load_state_dict({**ds.state_dict(), "epoch": 2, "consumed": 21})  # a new state applies again
+    assert one_pass() == order[21:]
+    assert one_pass() == order
+
+
+def test_a_state_used_in_the_consumers_process_is_not_applied_again_by_workers(tree, tmp_path):
+    ds = make(tree, tmp_path, shuffle=True, seed=4, batch_size=4)
+    order = [os.path.basename(ds.files[i]) for i in _shard.epoch_order(37, epoch=2, seed=4, shuffle=True)]
+    ds.load_state_dict({**ds.state_dict(), "epoch": 2, "consumed": 10})
+    assert names(ds) == order[10:]  # iterated directly: the resumed pass
+    loader = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=2)
+    assert names(p for b in loader for p in b) == order
+
+
 def test_resume_state_is_checked(tree, tmp_path):
     ds = make(tree, tmp_path, seed=1)
     state = ds.state_dict()
