@@ -106,12 +106,23 @@ def ensure_private_dir(path: Path) -> Path:
     return path
 
 
+_HEX = frozenset("0123456789abcdef")
+
+
 def _parse_name(fname: str) -> tuple[str, int, int] | None:
-    """'<38 hex>.<first>.<count>' -> (rest of digest, first, count)."""
+    """'<digest>.<first>.<count>' -> (digest, first, count); None for anything we never write.
+
+    The digest is a version's (40 hex digits; 38 in a file name, whose directory holds the first two),
+    and a segment holds 1 to MAX_BLOCKS_PER_SEGMENT blocks. A stray file that passed a looser check
+    (`x.0.300000000`) made the index loop over its "blocks" for minutes, holding the cache's lock."""
     parts = fname.split(".")
-    if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
+    if (len(parts) != 3 or len(parts[0]) not in (38, 40) or not _HEX.issuperset(parts[0])
+            or not parts[1].isdigit() or not parts[2].isdigit()):
         return None
-    return parts[0], int(parts[1]), int(parts[2])
+    count = int(parts[2])
+    if not 1 <= count <= MAX_BLOCKS_PER_SEGMENT:
+        return None
+    return parts[0], int(parts[1]), count
 
 
 class BlockCache:

@@ -204,3 +204,20 @@ def test_space_freed_elsewhere_on_the_disk_is_used_again(tmp_path, monkeypatch):
     assert not c.put_block(v(), 0, os.urandom(MiB))
     free[0] = 100 * 1024 * MiB  # someone deleted 100 GiB elsewhere on the disk
     assert c.put_block(v(), 1, os.urandom(MiB)), "the cache never looked at the free space again"
+
+
+def test_files_the_cache_never_writes_are_ignored_by_its_index(tmp_path):
+    """A stray file named like a segment of 300 million blocks made the scan loop for minutes with
+    the cache's lock held (every read waited); one of 0 blocks, or with a name that is not a
+    digest, was indexed and counted. Only what put_blocks writes is taken up now."""
+    c = make(tmp_path)
+    data = os.urandom(2 * MiB)
+    assert c.put_blocks(v(), 0, data)
+    good = seg_path(c, v(), 0)
+    d = good.parent
+    for stray in ("cd.0.300000000", good.name.split(".")[0] + ".0.300000000",
+                  good.name.split(".")[0] + ".5.0", "z" * 38 + ".0.1", "notes.txt"):
+        (d / stray).write_bytes(b"x")
+    again = make(tmp_path)  # a remount: the scan indexes what it finds
+    assert again.get_block(v(), 1) == data[MiB:]
+    assert sorted(again._lru) == [d.name + good.name]
