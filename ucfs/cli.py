@@ -230,7 +230,11 @@ def cmd_unmount(args) -> int:
     mnt = os.path.abspath(args.mountpoint)
     if mnt not in _ucfs_mounts():
         raise UcfsError(f"{mnt} is not a ucfs mount")
-    if not args.no_wait:
+    if args.no_wait:
+        from .control import query
+
+        query(mnt, "no-drain")  # else the daemon would drain after the unmount, holding the cache dir
+    else:
         _wait_drained(mnt)
     tool = shutil.which("fusermount3") or shutil.which("fusermount")
     cmd = [tool, "-u", mnt] if tool else ["umount", mnt]
@@ -246,11 +250,15 @@ def _wait_drained(mnt: str) -> None:
     last = None
     while True:
         st = read_status(mnt).get("commits") or {}
-        pending, failed = st.get("pending", 0), st.get("failed", 0)
-        if pending - failed <= 0:
+        pending, failed, writing = st.get("pending", 0), st.get("failed", 0), st.get("writing", 0)
+        if pending - failed - writing <= 0:
             if failed:
                 print(f"ucfs: {failed} commit(s) failed permanently; their data stays staged and is "
                       "retried at the next mount (see ucfs status)", file=sys.stderr)
+            if writing:
+                # Their commits wait for their last close, which waiting here cannot bring about.
+                print(f"ucfs: {writing} file(s) still open for writing; each is committed when it is "
+                      "closed", file=sys.stderr)
             return
         line = f"ucfs: waiting for {pending} pending commit(s), {st.get('pending_bytes', 0) / 2**20:.1f} MiB"
         if line != last:

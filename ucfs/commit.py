@@ -1642,5 +1642,6 @@ class Committer:
                           "error": str(s.error) if s.error is not None else ""})
         out = dict(self.stats)
         out.update(pending=len(pending), failed=sum(1 for s in pending if s.error is not None),
+                   writing=sum(1 for s in pending if s.error is None and s.writers and s.kept is None),
                    pending_bytes=sum(s.size for s in pending), staged_files=len(self.staged), items=items)
         return out

@@ -329,7 +329,13 @@ async def serve(catalog: Catalog, cfg: MountConfig, opts: MountOptions,
                 out["kernel"] = dict(kernel)
                 return out
 
-            await nursery.start(control.serve, mountpoint, {"status": status})
+            def no_drain() -> dict:
+                # `ucfs unmount --no-wait`: what is pending stays staged for the next mount, and this
+                # daemon exits as soon as it is unmounted instead of draining first.
+                committer.stop_draining("ucfs unmount --no-wait")
+                return {"ok": True}
+
+            await nursery.start(control.serve, mountpoint, {"status": status, "no-drain": no_drain})
             if cfg.metrics_port:
                 port = await nursery.start(telemetry.serve_metrics, cfg.metrics_port, status)
                 log.info("metrics at http://127.0.0.1:%d/metrics", port)

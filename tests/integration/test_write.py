@@ -11,12 +11,13 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tarfile
 import time
 
 import pytest
 
-from tests.support import fsync_path, keys, obj, sync_dir, wait_until
+from tests.support import REPO, fsync_path, keys, obj, sync_dir, wait_until
 
 MiB = 1 << 20
 
@@ -346,6 +347,44 @@ def test_unmount_drains_pending_commits(mount, s3, bucket, prefix):
         (v / f"u{i}.bin").write_bytes(os.urandom(300_000))
     assert mount.stop() == 0
     assert len(keys(s3, bucket, f"{prefix}/vol/")) == 20
+
+
+def ucfs_cli(m, *args, timeout=60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ucfs", *args], env=m.env(), cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_unmount_no_wait_leaves_pending_commits_to_the_next_mount(fault_proxy, mount_factory, s3, bucket, prefix):
+    """Before, the daemon drained anyway after `--no-wait`, retrying for ever against a store that
+    refused, and held the cache directory: the next mount of it failed ("in use")."""
+    m = mount_factory(args=("--store-timeout", "2"), endpoint=fault_proxy.endpoint)
+    outage = fault_proxy.fail(503, method="PUT|POST")
+    data = os.urandom(300_000)
+    (m.path() / "late.bin").write_bytes(data)
+    assert wait_until(lambda: outage.fired >= 1, 30)
+    r = ucfs_cli(m, "unmount", "--no-wait", str(m.mountpoint))
+    assert r.returncode == 0, r.stderr
+    assert m.proc.wait(timeout=30) == 0  # gone at once, leaving the file staged and journaled
+    m.proc = None
+    assert "late.bin" not in str(keys(s3, bucket, f"{prefix}/vol/"))
+    outage.disable()
+    m.start()
+    sync_dir(m.path())
+    assert obj(s3, bucket, f"{prefix}/vol/late.bin") == data
+
+
+def test_unmount_does_not_wait_for_a_file_still_open_for_writing(mount_factory):
+    """Its commit waits for its close, which waiting cannot bring: unmount says so and stops
+    (the kernel then refuses to unmount a busy file system) instead of waiting for ever."""
+    m = mount_factory()
+    fd = os.open(m.path() / "held.bin", os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        os.write(fd, b"x" * 1000)
+        r = ucfs_cli(m, "unmount", str(m.mountpoint), timeout=30)
+        assert r.returncode != 0 and "1 file(s) still open for writing" in r.stderr, r.stderr
+        assert os.path.ismount(m.mountpoint)
+    finally:
+        os.close(fd)
 
 
 def test_read_only_volume_refuses_and_keeps_store_untouched(mount_factory, s3, bucket, prefix):
