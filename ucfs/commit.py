@@ -91,6 +91,9 @@ INTENT_CREATE_WINDOW_S = 600.0
 # the others. A spare is taken without leaving the event loop.
 SPARE_STAGING_FILES = 8
 SPARE_PREFIX = "spare-"
+# A staging file whose content is committed, kept only because handles still read it: a crash
+# leaves nothing to keep (`_collect_orphans`). Named back before anyone writes it again.
+COMMITTED_PREFIX = "committed-"
 # Parts of one file uploaded at once; parts of all files together are bounded by the store limiter.
 PARTS_IN_FLIGHT_PER_FILE = 8
 # How often a file written in passthrough mode (ucfs.passthrough), which we do not see being
@@ -386,6 +389,9 @@ class Committer:
             if p.name.startswith(SPARE_PREFIX) and p.stat().st_size == 0:
                 p.unlink()  # made ahead, never written: nothing to keep
                 continue
+            if p.name.startswith(COMMITTED_PREFIX):
+                p.unlink()  # its content is in the store; it only waited for its readers
+                continue
             self.orphans_dir.mkdir(mode=0o700, exist_ok=True)
             dest = self.orphans_dir / p.name
             shutil.move(str(p), dest)
@@ -551,6 +557,11 @@ class Committer:
         which takes its handle as soon as this returns."""
         s.handles += 1
         try:
+            if s.path.name.startswith(COMMITTED_PREFIX):
+                # Written again: until its next close, a crash must keep it as an orphan.
+                path = s.path.with_name(s.path.name[len(COMMITTED_PREFIX):])
+                await run_disk(os.rename, s.path, path)
+                s.path = path
             await self._keep_closed_version(s, truncate=truncate)
         except BaseException:
             self.unpin(s)
@@ -1154,6 +1165,20 @@ class Committer:
         if s.committed_generation >= s.flushed_generation and s.rid is not None and not s.dirty:
             self.journal.remove_nowait(s.rid)
             s.rid = None
+        if (not s.dirty and s.rid is None and s.kept is None and s.handles > 0 and not s.dropped
+                and not s.path.name.startswith(COMMITTED_PREFIX) and s.node.staged is s):
+            # Readers keep it open: after a crash it would look like a file never closed. Say it is
+            # committed, in its name (a crash cannot leave the name and the content disagreeing).
+            path = s.path.with_name(COMMITTED_PREFIX + s.path.name)
+            try:
+                await run_disk(os.rename, s.path, path)
+                s.path = path
+                if s.writers or s.dirty:  # opened for writing meanwhile: not just readers any more
+                    path = s.path.with_name(s.path.name[len(COMMITTED_PREFIX):])
+                    await run_disk(os.rename, s.path, path)
+                    s.path = path
+            except OSError as e:
+                log.debug("could not mark %s committed: %s", s.path, e)
         parent = node.parent
         if parent is not None and parent.listing is not None:
             from .inodes import Entry

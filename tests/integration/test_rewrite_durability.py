@@ -98,3 +98,29 @@ def test_a_pending_commit_keeps_its_age_across_a_restart(fault_proxy, mount_fact
     after = m.status()["commits"]["items"][0]
     outage.disable()
     assert after["path"] == before["path"] and after["age_s"] >= before["age_s"] >= 3, (before, after)
+
+
+@pytest.mark.parametrize("pt", [(), ("--no-passthrough",)], ids=["passthrough", "no-passthrough"])
+def test_a_committed_file_still_open_at_a_crash_is_not_taken_for_one_never_closed(mount_factory, s3, bucket,
+                                                                                    prefix, pt):
+    """Its staging file outlives the commit while a reader has it open. Before, a crash then moved
+    it to orphans/ with a warning that it was never closed, a copy of committed data at each crash."""
+    m = mount_factory(args=pt)
+    v = m.path()
+    data = os.urandom(200_000)
+    with open(v / "done.bin", "wb") as w:
+        w.write(data)
+        w.flush()
+        fd = os.open(v / "done.bin", os.O_RDONLY)  # a reader of the staged file
+    try:
+        sync_dir(v)
+        assert obj(s3, bucket, f"{prefix}/vol/done.bin") == data
+        m.kill()
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    m.start()
+    orphans = m.state_dir / "orphans"
+    assert not orphans.exists() or not list(orphans.iterdir())
+    assert "never closed" not in m.log_path.read_text()
+    assert (v / "done.bin").read_bytes() == data
