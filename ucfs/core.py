@@ -527,6 +527,9 @@ class Core:
                 if self._removed_since(parent, name, h.opened_at) and name not in parent.children_by_name:
                     continue
                 current = parent.listing.entries.get(name) if parent.listing is not None else None
+                if (current is None and parent.listing is not None and parent.listing.as_of > h.as_of
+                        and name not in parent.children_by_name):
+                    continue  # gone in a listing newer than this handle's: never bring it back
                 seen_at = parent.listing.as_of if current is not None else h.as_of
                 node = self._apply_entry(parent, name, current or what, seen_at)
             yield idx, name, self.attributes(node)

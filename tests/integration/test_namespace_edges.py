@@ -107,3 +107,24 @@ def test_reading_a_file_deleted_elsewhere_is_estale(mount, s3, bucket, prefix):
         assert errno_of(lambda: os.pread(fd, 4096, 20 << 20)) == "ESTALE"
     finally:
         os.close(fd)
+
+
+def test_an_older_directory_handle_never_brings_back_a_file_deleted_elsewhere(mount, s3, bucket, prefix):
+    """A directory handle opened before a remote delete lists the old name; reading it after a newer
+    listing saw the delete used to make the file exist again, with its old bytes from the disk cache."""
+    key = f"{prefix}/vol/d/f.bin"
+    s3.put_object(Bucket=bucket, Key=key, Body=b"1" * 100_000)
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/d/other.bin", Body=b"x")
+    d = mount.path() / "d"
+    assert sorted(os.listdir(d)) == ["f.bin", "other.bin"]
+    assert (d / "f.bin").read_bytes() == b"1" * 100_000
+    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        s3.delete_object(Bucket=bucket, Key=key)
+        time.sleep(TTL)
+        assert sorted(os.listdir(d)) == ["other.bin"]
+        with os.scandir(dfd) as it:
+            list(it)
+        assert not (d / "f.bin").exists()
+    finally:
+        os.close(dfd)
