@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import random
+import re
 import threading
 import time
 import uuid
@@ -34,6 +35,36 @@ MIN_PART_BYTES = 5 * 1024 * 1024
 MAX_PART_BYTES = 5 * 1024 ** 3
 MAX_OBJECT_BYTES = 5 * 1024 ** 4
 MAX_SINGLE_COPY_BYTES = 5 * 1024 ** 3
+
+
+def _ranged_body(r: s3http.Response, start: int, length: int | None, ranged: bool,
+                 key: str) -> tuple[bytes | bytearray | memoryview, int]:
+    """(body, object size) of a GET answer, checked to be the bytes asked for: a ranged request
+    needs a 206 whose Content-Range starts at `start` (or a 200, the whole object, when `start` is
+    0), and exactly the bytes the range holds."""
+    data = r.body
+    total = None
+    first = 0
+    cr = r.headers.get("content-range", "")
+    if ranged and r.status == 206:
+        m = _CONTENT_RANGE.fullmatch(cr.strip())
+        if m is None:
+            raise errors.connection_error(f"GET answered with Content-Range {cr!r}", key=key)
+        first, total = int(m.group(1)), (int(m.group(3)) if m.group(3) != "*" else None)
+        if first != start:
+            raise errors.connection_error(f"GET asked for bytes from {start}, answered from {first}", key=key)
+    elif ranged and start:
+        raise errors.connection_error(f"GET of a range from {start} answered {r.status}, not 206", key=key)
+    if total is None:
+        total = len(data) if not ranged else start + len(data)
+    if length is not None and r.status != 206 and len(data) > length:
+        data = memoryview(data)[:length]  # a 200 for a range from 0: the object's head is what was asked
+    if length is not None and len(data) != min(length, max(0, total - start)):
+        raise errors.connection_error(f"GET returned {len(data)} bytes for a {length}-byte range", key=key)
+    return data, total
+
+
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
 
 def botocore_config(*, region: str, path_style: bool = True, payload_signing: bool = False, pool: int,
@@ -348,17 +379,19 @@ class S3Store:
             headers["range"] = f"bytes={start}-{'' if length is None else start + length - 1}"
         if etag:
             headers["if-match"] = f'"{etag}"'
-        r = self._lean_request("get", "GET", bucket, key, headers, into=into)
-        data = r.body
-        total = None
-        cr = r.headers.get("content-range", "")
-        if "/" in cr:
-            tail = cr.rsplit("/", 1)[1]
-            total = int(tail) if tail.isdigit() else None
-        if total is None:
-            total = len(data) if "range" not in headers else start + len(data)
-        if length is not None and len(data) != min(length, max(0, total - start)):
-            raise errors.connection_error(f"GET returned {len(data)} bytes for a {length}-byte range", key=key)
+        for attempt in range(1, self.max_attempts + 1):
+            r = self._lean_request("get", "GET", bucket, key, headers, into=into)
+            try:
+                data, total = _ranged_body(r, start, length, "range" in headers, key)
+                break
+            except errors.StoreError as e:
+                # An answer for other bytes than asked (a proxy or server bug; a cut connection
+                # that looked complete): never taken as the asked bytes. Asked again, like any
+                # transient failure.
+                if attempt == self.max_attempts:
+                    raise
+                log.warning("GET %s: %s; asking again (attempt %d of %d)", key, e.strerror, attempt,
+                            self.max_attempts)
         self._counters.add("get_bytes", len(data))
         return data, ObjectInfo(key, total, _split_etag(r.headers.get("etag")),
                                 s3http.http_mtime_ns(r.headers.get("last-modified")))

@@ -459,3 +459,39 @@ def test_a_connection_closed_just_after_its_answer_is_replaced_unnoticed():
     finally:
         c.close()
         server.close()
+
+
+def _store_at(srv, attempts=2):
+    from ucfs.store import S3Store
+
+    return S3Store(endpoint_url=f"http://127.0.0.1:{srv.port}", region="us-east-1",
+                   access_key="AK", secret_key="SK", concurrency=2, max_attempts=attempts)
+
+
+@pytest.mark.parametrize("answer", [
+    # asked for bytes 100-199; a broken server or proxy answers bytes 0-99, and says so
+    b"HTTP/1.1 206 Partial Content\r\nContent-Length: 100\r\nContent-Range: bytes 0-99/1024\r\n"
+    b"ETag: \"e\"\r\n\r\n" + (bytes(range(256)) * 4)[:100],
+    # ... or the whole object with a 200
+    b"HTTP/1.1 200 OK\r\nContent-Length: 1024\r\nETag: \"e\"\r\n\r\n" + bytes(range(256)) * 4,
+], ids=["206-other-range", "200-whole-object"])
+def test_a_ranged_get_never_takes_other_bytes_for_the_ones_asked(answer):
+    """Before, the store returned them as bytes 100-199. Now it asks again (and then gives up)."""
+    from ucfs import errors
+
+    srv = _Scripted([answer, answer])
+    try:
+        with pytest.raises(errors.StoreError):
+            _store_at(srv).get("b", "k", 100, 100, etag="e")
+    finally:
+        srv.close()
+
+
+def test_a_ranged_get_from_zero_may_be_answered_with_the_whole_object():
+    obj = bytes(range(256)) * 4
+    srv = _Scripted([b"HTTP/1.1 200 OK\r\nContent-Length: 1024\r\nETag: \"e\"\r\n\r\n" + obj])
+    try:
+        data, info = _store_at(srv).get("b", "k", 0, 100, etag="e")
+        assert bytes(data) == obj[:100] and info.size == 1024
+    finally:
+        srv.close()
