@@ -896,6 +896,27 @@ class Core:
         await self._forget_name(parent, node)
         self.stats["unlinks"] += 1
 
+    async def _follow_rename(self, node: Inode, new_key: str, new_etag: str) -> None:
+        """node's object was copied to `new_key` and its old key is about to go: handles reading it
+        must read on under the new name, as open files do on a local file system. When the copy
+        kept the ETag the bytes are the same, and the handles are pointed at it; otherwise (a copy
+        in parts makes a new ETag) they are given a local copy, as for an unlink."""
+        readers = [h for h in self._handles.values()
+                   if isinstance(h, FileHandle) and h.inode is node and h.staged is None and h.version is not None]
+        if not readers:
+            return
+        if any(h.version.etag != new_etag for h in readers):
+            await self._keep_for_open_handles(node)
+            return
+        for h in readers:
+            old = h.version
+            h.version = ObjectVersion(old.store, old.bucket, new_key, old.etag)
+            if self.cache is not None:
+                self.cache.pin(h.version)
+                self.cache.unpin(old)
+            if h.reader is not None:
+                h.reader.key, h.reader.version = new_key, h.version
+
     async def _keep_for_open_handles(self, node: Inode) -> None:
         """node's object is about to be deleted while handles still read it. Read-ahead may not
         have fetched all of it yet, and the store will not serve it again, so copy it into a
@@ -1033,7 +1054,9 @@ class Core:
         old_key = node.key
         if node.staged is None:
             # Committed file: copy on the server, then remove the old name.
-            info = await store.copy(vol.bucket, old_key, new_parent.dir_prefix + new_name)
+            new_key = new_parent.dir_prefix + new_name
+            info = await store.copy(vol.bucket, old_key, new_key)
+            await self._follow_rename(node, new_key, info.etag)
             await store.delete(vol.bucket, old_key)
             self.inodes.move(node, new_parent, new_name)
             node.etag = info.etag

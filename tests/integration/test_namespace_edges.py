@@ -128,3 +128,20 @@ def test_an_older_directory_handle_never_brings_back_a_file_deleted_elsewhere(mo
         assert not (d / "f.bin").exists()
     finally:
         os.close(dfd)
+
+
+def test_a_file_renamed_here_reads_on_through_handles_opened_before(mount, s3, bucket, prefix):
+    """As on a local file system. Before, the next block not yet cached came from the old key,
+    deleted by the rename: ESTALE."""
+    data = os.urandom(40 << 20)
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/a.bin", Body=data)
+    v = mount.path()
+    fd = os.open(v / "a.bin", os.O_RDONLY)
+    try:
+        assert os.pread(fd, 4096, 0) == data[:4096]
+        os.rename(v / "a.bin", v / "b.bin")
+        assert os.pread(fd, 1 << 20, 30 << 20) == data[30 << 20:31 << 20]
+    finally:
+        os.close(fd)
+    assert keys(s3, bucket, f"{prefix}/vol/") == [f"{prefix}/vol/b.bin"]
+    assert (v / "b.bin").read_bytes() == data
