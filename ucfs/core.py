@@ -107,6 +107,7 @@ class FileHandle:
     reader: ObjectReader | None = None
     writable: bool = False
     staged: Any = None  # the commit.Staged this handle keeps alive, if any
+    direct: bool = False  # reads past the kernel's page cache (see `open_version`)
     # When this handle last knew the file's size: its open, or a truncate made through it. Reads
     # short of what it was asked for are ESTALE only if the file shrank since (see `read`).
     sized_at: float = field(default_factory=time.monotonic)
@@ -653,11 +654,19 @@ class Core:
 
     def open_version(self, node: Inode) -> tuple[int, bool]:
         version = self._version(node)
+        if self.cache is not None:
+            self.cache.pin(version)
+        if any(isinstance(h, FileHandle) and h.inode is node and h.version is not None and not h.direct
+               and h.version.etag != version.etag for h in self._handles.values()):
+            # Handles of an older version still read through the kernel's page cache of this inode,
+            # which every handle shares: pages of this version there would be served to them as
+            # theirs. So this handle reads past the page cache (direct I/O), and the pages stay
+            # the older version's until its last handle closes.
+            fh = self._new_handle(FileHandle(node, version, node.size, direct=True))
+            return fh, True
         # Pages cached by the kernel belong to one version; keep them only if it is still current.
         keep_cache = node.page_cache_etag == node.etag
         node.page_cache_etag = node.etag
-        if self.cache is not None:
-            self.cache.pin(version)
         fh = self._new_handle(FileHandle(node, version, node.size))
         return fh, keep_cache
 
@@ -667,6 +676,10 @@ class Core:
         h.inode.opens += 1
         self.stats["opens"] += 1
         return fh
+
+    def reads_direct(self, fh: int) -> bool:
+        h = self._handles.get(fh)
+        return isinstance(h, FileHandle) and h.direct
 
     def file_handle(self, fh: int) -> FileHandle:
         h = self._handles.get(fh)
@@ -701,13 +714,15 @@ class Core:
                                     version=h.version, size=h.size, cache=self.cache, budget=self.budget,
                                     cfg=self.cfg, nursery=self._nursery, stats=self.stats, pool=self.pool)
         self.stats["reads"] += 1
-        self._check_page_cache(node, h.version)
+        if not h.direct:
+            self._check_page_cache(node, h.version)
         try:
             data = await h.reader.read(off, size, pieces=self.vectored_replies)
         except errors.StaleError:
             node.attr_expires = 0.0  # the next open looks again
             raise
-        self._check_page_cache(node, h.version)  # a newer open may have come while we fetched
+        if not h.direct:
+            self._check_page_cache(node, h.version)  # a newer open may have come while we fetched
         return data
 
     @staticmethod

@@ -147,7 +147,7 @@ class Operations(pyfuse3.Operations):
     @_translate
     async def open(self, inode, flags, ctx):
         fh, keep_cache = await self.core.open(inode, flags, _caller(ctx))
-        return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache, direct_io=self.core.reads_direct(fh))
 
     @_translate
     async def read(self, fh, off, size):

@@ -145,3 +145,29 @@ def test_a_file_renamed_here_reads_on_through_handles_opened_before(mount, s3, b
         os.close(fd)
     assert keys(s3, bucket, f"{prefix}/vol/") == [f"{prefix}/vol/b.bin"]
     assert (v / "b.bin").read_bytes() == data
+
+
+def test_an_old_handle_never_reads_the_newer_version_another_open_brought_in(mount, s3, bucket, prefix):
+    """The kernel's page cache of a file is shared by all its handles. A handle opened on v1 read
+    v2's bytes, with no error, once a later open had read v2 into it. While handles of an older
+    version are open, a newer version is now read past the page cache."""
+    key = f"{prefix}/vol/pc.bin"
+    size = 48 << 20
+    v1, v2 = b"\x01" * size, b"\x02" * size
+    s3.put_object(Bucket=bucket, Key=key, Body=v1)
+    p = mount.path() / "pc.bin"
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        assert os.pread(fd, 64 << 10, 0) == v1[:64 << 10]
+        s3.put_object(Bucket=bucket, Key=key, Body=v2)
+        time.sleep(TTL)
+        assert p.read_bytes() == v2
+        try:
+            got = os.pread(fd, 1 << 20, 40 << 20)
+        except OSError as e:  # the README allows this once v1's blocks are not cached
+            assert e.errno == errno.ESTALE
+        else:
+            assert got == v1[40 << 20:41 << 20]
+    finally:
+        os.close(fd)
+    assert p.read_bytes() == v2  # and once the old handle is gone, through the page cache again
