@@ -914,6 +914,8 @@ class Committer:
                         s.rid = await self.journal.add(s.volume.full_name, path, s.path.name, s.size)
                     finally:
                         s.row_pending = False
+                    if s.kept is not None:
+                        self._supersede_kept(s)  # this close is newer, and its row names it
                 else:
                     await self.journal.mark_ready(s.rid, s.size, path, s.path.name)
                     if s.kept is not None:
@@ -1157,8 +1159,8 @@ class Committer:
         s.committed_generation = max(s.committed_generation, gen)
         s.attempts = 0
         s.error = None
-        if s.kept is not None and gen > s.kept.generation:
-            self._end_kept(s)  # a newer version is in the store: the kept one must never follow it
+        if s.kept is not None and gen >= s.kept.generation:
+            self._end_kept(s)  # its version, or a newer one, is in the store: it must never follow
         self.stats["committed"] += 1
         self.stats["committed_bytes"] += s.size
         log.debug("committed %s (%d bytes) in %.2f s", node.mount_path(), s.size, time.monotonic() - t0)
@@ -1584,17 +1586,30 @@ class Committer:
             s.notify()
         self._maybe_retire(s)
 
-    async def renamed(self, s: Staged) -> None:
+    async def renamed(self, s: Staged, old_key: str | None = None) -> None:
         """The file now has another key: its content must be committed there."""
         async with self.namespace_lock(s):
-            await self.renamed_locked(s)
+            await self.renamed_locked(s, old_key)
 
-    async def renamed_locked(self, s: Staged) -> None:
-        """`renamed`, for a caller that already holds the file's commit lock (`namespace_lock`)."""
+    async def renamed_locked(self, s: Staged, old_key: str | None = None) -> None:
+        """`renamed`, for a caller that already holds the file's commit lock (`namespace_lock`).
+        `old_key`: where the file's object is until the caller deletes it."""
         self._invalidate_stream(s, "renamed")
         had = s.committed_generation
-        s.committed_generation = -1  # whatever was committed went under the old name
         path = s.node.rel_path()
+        if (old_key is not None and had >= 0 and s.flushed_generation <= had and s.kept is None
+                and s.writers > 0 and (s.generation > had or s.pt_writers)):
+            # Committed, then written again by a writer that still has it open: the object is the
+            # file's last closed version, and the staging file holds bytes nobody has closed yet
+            # (journaling it here would publish them after a crash). The object is copied to the new
+            # name on the server, as for a file not staged; the writer's last close commits the rest.
+            vol = s.volume
+            info = await self.core.store_for(vol).copy(vol.bucket, old_key, s.node.key)
+            s.node.etag = info.etag
+            if s.rid is not None:
+                await self.journal.rename(s.rid, path)
+            return
+        s.committed_generation = -1  # whatever was committed went under the old name
         if s.flushed_generation < had:
             # Content in the store that no close recorded (committed by fsync, or an unchanged copy
             # of the object opened for writing): the old key goes, so it must now be committed under

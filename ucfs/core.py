@@ -973,6 +973,8 @@ class Core:
         if listing is not None:
             if listing.entries or listing.marker:
                 return
+        elif any(c.etag or c.kind.is_dir for c in d.children_by_name.values()):
+            return  # a sibling we know is in the store keeps it (rm of files by name: no LIST each)
         else:
             page = await store.list_page(vol.bucket, d.dir_prefix, max_keys=1)
             if page.objects or page.prefixes:
@@ -1085,7 +1087,7 @@ class Core:
         # deletes it: otherwise the old content would come back once the listing is refreshed. Set
         # before any await: a commit finishing meanwhile records the new object's ETag here.
         node.etag = target.etag if target is not None else ""
-        await self.committer.renamed(node.staged)
+        await self.committer.renamed(node.staged, old_key)
         if had_remote:
             await store.delete(vol.bucket, old_key)
 
@@ -1144,7 +1146,7 @@ class Core:
             for s in staged:
                 s.node.etag = ""
                 self.note_changed(s.node)
-                await self.committer.renamed_locked(s)
+                await self.committer.renamed_locked(s, old_prefix + s.node.key[len(new_prefix):])
 
         async def delete(key: str) -> None:
             async with limiter:

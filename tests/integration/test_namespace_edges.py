@@ -171,3 +171,24 @@ def test_an_old_handle_never_reads_the_newer_version_another_open_brought_in(mou
     finally:
         os.close(fd)
     assert p.read_bytes() == v2  # and once the old handle is gone, through the page cache again
+
+
+@pytest.mark.parametrize("op", ["unlink", "rename"])
+def test_removing_files_by_name_costs_no_listing_each(mount_factory, s3, bucket, prefix, op):
+    """Keeping a directory that lost an entry (a marker) asks the store only when nothing known
+    beneath it is in the store."""
+    for i in range(25):
+        s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/d/f{i:03d}", Body=b"x")
+    m = mount_factory()
+    v = m.path()
+    (v / "e").mkdir()
+    for i in range(20):
+        os.stat(v / "d" / f"f{i:03d}")
+    before = m.store_stats()
+    for i in range(20):
+        if op == "unlink":
+            os.unlink(v / "d" / f"f{i:03d}")
+        else:
+            os.rename(v / "d" / f"f{i:03d}", v / "e" / f"f{i:03d}")
+    after = m.store_stats()
+    assert after.get("list", 0) - before.get("list", 0) <= 2

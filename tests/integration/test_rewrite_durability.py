@@ -124,3 +124,55 @@ def test_a_committed_file_still_open_at_a_crash_is_not_taken_for_one_never_close
     assert not orphans.exists() or not list(orphans.iterdir())
     assert "never closed" not in m.log_path.read_text()
     assert (v / "done.bin").read_bytes() == data
+
+
+@pytest.mark.parametrize("after", ["commit", "crash", "unmount"])
+def test_a_close_after_reopening_during_the_commit_in_flight_is_committed(fault_proxy, mount_factory, s3, bucket,
+                                                                         prefix, after):
+    """v1's PUT is slow; a writer opens the file meanwhile and writes only once that PUT is done. Its
+    close was lost: v1 uploaded again instead, the journal row of v2 removed (a crash lost v2), and
+    unmount waited for ever."""
+    m = proxied(mount_factory, fault_proxy, "--no-passthrough")
+    v = m.path()
+    slow = fault_proxy.stall(3, method="PUT", path=r"/f\.bin", times=1)
+    (v / "f.bin").write_bytes(b"v1" * 1000)
+    assert wait_until(lambda: slow.fired >= 1, 10)
+    fd = os.open(v / "f.bin", os.O_WRONLY | os.O_APPEND)
+    try:
+        assert wait_until(lambda: m.status()["commits"].get("committed", 0) >= 1, 20)
+        os.write(fd, b"+v2")
+    finally:
+        os.close(fd)
+    key, want = f"{prefix}/vol/f.bin", b"v1" * 1000 + b"+v2"
+    if after == "commit":
+        assert wait_until(lambda: obj(s3, bucket, key) == want, 15), m.status()["commits"]
+    elif after == "crash":
+        m.kill()
+        m.start()
+        sync_dir(m.path())
+        assert obj(s3, bucket, key) == want
+    else:
+        assert m.stop(wait=True, timeout=30) == 0
+        assert obj(s3, bucket, key) == want
+
+
+@pytest.mark.parametrize("pt", [(), ("--no-passthrough",)], ids=["passthrough", "no-passthrough"])
+def test_renaming_a_committed_file_while_a_writer_changes_it_keeps_the_closed_version(mount_factory, s3, bucket,
+                                                                                      prefix, pt):
+    """The rename journaled the staging file the writer was changing: a crash then published its
+    unclosed bytes under the new name, and the committed version was gone with the old key."""
+    m = mount_factory(args=pt)
+    v = m.path()
+    (v / "f.bin").write_bytes(V1)
+    sync_dir(v)
+    fd = os.open(v / "f.bin", os.O_WRONLY)
+    os.write(fd, b"PARTIAL-UNCLOSED")
+    os.rename(v / "f.bin", v / "g.bin")
+    time.sleep(1)
+    m.kill()
+    with contextlib.suppress(OSError):
+        os.close(fd)
+    m.start()
+    sync_dir(m.path())
+    assert keys(s3, bucket, f"{prefix}/vol/") == [f"{prefix}/vol/g.bin"]
+    assert obj(s3, bucket, f"{prefix}/vol/g.bin") == V1
