@@ -1126,17 +1126,27 @@ class Core:
                                           f"be longer than {MAX_KEY_BYTES} bytes")
             limiter = trio.CapacityLimiter(32)
 
+            copied: dict[str, str] = {}  # old key -> ETag of its copy
+
             async def copy(key: str) -> None:
                 async with limiter:
                     if key in staged_keys:
                         return  # its local data is committed under the new name below
-                    await store.copy(vol.bucket, key, new_prefix + key[len(old_prefix):])
+                    info = await store.copy(vol.bucket, key, new_prefix + key[len(old_prefix):])
+                    copied[key] = info.etag
 
             async with trio.open_nursery() as n:
                 for k in keys:
                     n.start_soon(copy, k)
             if old_prefix not in keys:
                 await store.put(vol.bucket, new_prefix, b"", 0)  # keep the (possibly empty) directory
+            # Files beneath that are open for reading read on under their new names, as one renamed
+            # alone does (before the move: a local copy, if one is needed, reads the old key).
+            reading = {h.inode: h.version.key for h in self._handles.values()
+                       if isinstance(h, FileHandle) and h.staged is None and h.version is not None
+                       and h.version.key in copied}
+            for f, old in reading.items():
+                await self._follow_rename(f, new_prefix + old[len(old_prefix):], copied[old])
             if target is not None:
                 # The empty directory replaced: its marker, if any, was new_prefix, which now marks
                 # the moved directory (copied or put above). Nothing of it is left to delete.
