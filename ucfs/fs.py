@@ -212,8 +212,19 @@ class Operations(pyfuse3.Operations):
         await self.core.rename(parent_inode_old, os.fsdecode(name_old), parent_inode_new,
                                os.fsdecode(name_new), flags, _caller(ctx))
 
+    @_translate
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
-        raise pyfuse3.FUSEError(errors.EPERM)  # devices, fifos and sockets cannot live in an object store
+        if not stat.S_ISREG(mode):
+            raise pyfuse3.FUSEError(errors.EPERM)  # devices, fifos and sockets cannot live in an object store
+        # An empty regular file, as creat() and close() make (the kernel sends creat() here too when
+        # a file system has no atomic create; ours has, so this is mknod(2) itself).
+        fh, attrs = await self.core.create(parent_inode, os.fsdecode(name), os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                                           _caller(ctx))
+        try:
+            await self.core.flush(fh)
+        finally:
+            await self.core.release(fh)
+        return _entry(attrs)
 
     async def symlink(self, parent_inode, name, target, ctx):
         raise pyfuse3.FUSEError(errors.EPERM)  # no symlinks in an object store (git copes: core.symlinks)

@@ -192,3 +192,28 @@ def test_removing_files_by_name_costs_no_listing_each(mount_factory, s3, bucket,
             os.rename(v / "d" / f"f{i:03d}", v / "e" / f"f{i:03d}")
     after = m.store_stats()
     assert after.get("list", 0) - before.get("list", 0) <= 2
+
+
+def test_files_in_a_renamed_directory_read_on_through_handles_opened_before(mount, s3, bucket, prefix):
+    data = os.urandom(24 << 20)
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/d/a.bin", Body=data)
+    v = mount.path()
+    fd = os.open(v / "d" / "a.bin", os.O_RDONLY)
+    try:
+        assert os.pread(fd, 4096, 0) == data[:4096]
+        os.rename(v / "d", v / "e")
+        assert os.pread(fd, 1 << 20, 20 << 20) == data[20 << 20:21 << 20]
+    finally:
+        os.close(fd)
+    assert (v / "e" / "a.bin").read_bytes() == data
+
+
+def test_mknod_of_a_regular_file_makes_an_empty_file(mount, s3, bucket, prefix):
+    v = mount.path()
+    os.mknod(v / "empty.txt")  # mode 0: a regular file
+    assert (v / "empty.txt").stat().st_size == 0
+    with pytest.raises(OSError) as e:
+        os.mkfifo(v / "fifo")
+    assert e.value.errno == errno.EPERM
+    sync_dir(v)
+    assert keys(s3, bucket, f"{prefix}/vol/") == [f"{prefix}/vol/empty.txt"]
