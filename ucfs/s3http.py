@@ -148,11 +148,13 @@ class LeanClient:
 
     def __init__(self, endpoint_url: str, *, region: str, path_style: bool,
                  credentials: Callable[[], Credentials], pool_size: int, timeout_s: float,
-                 ca_bundle: str | None = None):
+                 ca_bundle: str | None = None, connect_timeout_s: float | None = None):
         u = urllib.parse.urlsplit(endpoint_url)
         if u.scheme not in ("http", "https") or not u.hostname:
             raise ValueError(f"unsupported endpoint {endpoint_url!r}")
         self.scheme = u.scheme
+        # A silent endpoint costs the connect timeout, not the read timeout, per attempt.
+        self.connect_timeout_s = timeout_s if connect_timeout_s is None else min(connect_timeout_s, timeout_s)
         self.host = u.hostname
         self.port = u.port or (443 if u.scheme == "https" else 80)
         self.base_path = u.path.rstrip("/")
@@ -188,7 +190,8 @@ class LeanClient:
             return conn, True
         host = self.host if self.path_style else f"{bucket}.{self.host}"
         try:
-            sock = socket.create_connection((host, self.port), timeout=self.timeout_s)
+            sock = socket.create_connection((host, self.port), timeout=self.connect_timeout_s)
+            sock.settimeout(self.timeout_s)
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 if self._ssl is not None:

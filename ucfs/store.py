@@ -293,7 +293,8 @@ class S3Store:
             self._lean = s3http.LeanClient(
                 url, region=region_name, path_style=path_style or endpoint_url is not None,
                 credentials=credentials, pool_size=concurrency, timeout_s=read_timeout_s,
-                ca_bundle=session._session.get_config_variable("ca_bundle"))
+                ca_bundle=session._session.get_config_variable("ca_bundle"),
+                connect_timeout_s=connect_timeout_s)
 
     @property
     def sends_files(self) -> bool:
