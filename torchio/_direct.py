@@ -130,9 +130,10 @@ class DirectSource:
             store = self._stores.get(spec)
             if store is None:
                 from ucfs.store import S3Store
+                # Fail fast: every failure here falls back to a copy through the mount, which works.
                 store = S3Store(endpoint_url=spec[0], region=spec[1], profile=spec[2],
                                 path_style=spec[3], payload_signing=spec[4],
-                                concurrency=self.io_threads)
+                                concurrency=self.io_threads, max_attempts=2, connect_timeout_s=2.0)
                 self._stores[spec] = store
             return store
 
@@ -148,7 +149,9 @@ class DirectSource:
         try:
             data, info = self._store(vol).get(bucket, key, 0, size)
         except errors.StoreError as e:
-            if e.errno in (errors.EACCES, errors.EPERM):
+            if e.errno in (errors.EACCES, errors.EPERM) or _unreachable(e):
+                # Refused credentials, or a store this process cannot reach (another network
+                # namespace, a proxy only the daemon has): every file would pay for it again.
                 self._off_why = str(e)
                 log.warning("direct fills from the store are off for this process (%s); copying "
                             "through the mount instead", e)
@@ -170,3 +173,8 @@ class DirectSource:
             for k, v in store.statistics().items():
                 out[k] = out.get(k, 0) + v
         return out
+
+
+def _unreachable(e: Exception) -> bool:
+    """Whether a store error says the endpoint cannot be reached at all (no HTTP answer)."""
+    return isinstance(e, errors.StoreError) and e.transient and not e.status

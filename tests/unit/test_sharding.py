@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import os
+import socket
 import time
 from collections import Counter
 
@@ -577,3 +578,25 @@ def test_a_listing_travels_between_ranks_intact():
     assert _agree._decode(_agree._encode([])) == []
     assert _agree.names_digest(["a", "bc"]) != _agree.names_digest(["ab", "c"])
     assert _agree.rank0_listing("root\0*\0True", entries) is None
+
+
+def test_a_store_this_process_cannot_reach_switches_direct_fills_off(monkeypatch):
+    """Direct fills fall back to the mount. An endpoint only the daemon can reach (another network
+    namespace, a proxy) used to cost every file 5 refused connections with backoff, 1-2 s each."""
+    from torchio._direct import DirectSource
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    vols = {"c/s/v": {"bucket": "b", "prefix": "p/", "endpoint_url": f"http://127.0.0.1:{port}",
+                      "region": "us-east-1", "profile": None, "path_style": True, "payload_signing": False}}
+    src = DirectSource("/Volumes", vols, 1)
+    whole_second = 1_700_000_000 * 1_000_000_000
+    assert src.fetch("/Volumes/c/s/v/a.bin", 100, whole_second) is None
+    t0 = time.monotonic()
+    for i in range(3):
+        assert src.fetch(f"/Volumes/c/s/v/f{i}.bin", 100, whole_second) is None
+    assert time.monotonic() - t0 < 0.1
