@@ -75,10 +75,12 @@ import json
 import logging
 import os
 import queue
+import re
 import shutil
 import sys
 import threading
 import time
+import urllib.parse
 import uuid
 from pathlib import Path
 from typing import Any
@@ -228,15 +230,13 @@ def _open_scanner(source: Any, *, columns: list[str] | None, filter: Any, versio
         location = os.fspath(source)
         if "://" not in location:
             location = os.path.abspath(location)
-            # Overwriting a directory that holds the table would delete the table.
-            if Path(location) == target or target in Path(location).parents:
-                raise ValueError(f"the Delta table {location} lies inside the target {target}")
         from deltalake import DeltaTable  # only exports of Delta tables need it
 
         source = DeltaTable(location, version=version, storage_options=storage_options)
     elif version is not None or storage_options is not None:
         raise ValueError("version and storage_options apply only to a Delta table given by path or URI")
     if type(source).__module__.startswith("deltalake"):
+        _refuse_table_inside(source.table_uri, target)
         dataset, described = source.to_pyarrow_dataset(), f"delta:{source.table_uri}@{source.version()}"
     elif isinstance(source, pads.Dataset):
         dataset, described = source, type(source).__name__
@@ -478,6 +478,22 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def _refuse_table_inside(table_uri: str, target: Path) -> None:
+    """Overwriting a directory that holds the source table would delete the table and its history.
+    Checked on the table's own URI, however it was given (a path, a file:// URI, a DeltaTable), and
+    through symbolic links."""
+    if table_uri.startswith("file:"):
+        local = urllib.parse.unquote(urllib.parse.urlsplit(table_uri).path)
+    elif "://" in table_uri:
+        return  # another file system: it cannot lie inside a local target
+    else:
+        local = table_uri
+    location = Path(os.path.realpath(local))
+    real_target = Path(os.path.realpath(target))
+    if location == real_target or real_target in location.parents:
+        raise ValueError(f"the Delta table {location} lies inside the target {target}")
+
+
 def _non_empty_dir(path: Path) -> bool:
     try:
         with os.scandir(path) as it:
@@ -487,9 +503,10 @@ def _non_empty_dir(path: Path) -> bool:
 
 
 def _warn_leftovers(parent: Path, name: str) -> None:
-    prefix = f"{STAGING_PREFIX}{name}-"
+    # Exactly this target's staging names: an export to "events" must not claim "events-v0"'s.
+    mine = re.compile(re.escape(f"{STAGING_PREFIX}{name}-") + r"[0-9a-f]{16}(\.old)?")
     try:
-        left = sorted(e.name for e in os.scandir(parent) if e.name.startswith(prefix))
+        left = sorted(e.name for e in os.scandir(parent) if mine.fullmatch(e.name))
     except FileNotFoundError:
         return
     if left:

@@ -463,3 +463,34 @@ def test_footer_and_column_reads_fetch_only_what_they_touch(mount, s3, bucket, p
     # Each column chunk may cost the 1 MiB blocks it straddles, plus one: the kernel's own read-ahead
     # (1 MiB on the mount, which keeps sequential reads in 1 MiB requests) reads past the chunk.
     assert read <= column + 3 * groups * MiB and read < size // 2, (read, column, size)
+
+
+@pytest.mark.parametrize("how", ["path", "file-uri", "DeltaTable", "symlink"])
+def test_an_export_over_its_own_delta_table_is_refused(tmp_path, how):
+    """Only a plain path was checked: given as a file:// URI, a DeltaTable or a symbolic link, the
+    export went ahead and deleted the table with its history."""
+    deltalake = pytest.importorskip("deltalake")
+    from torchio import export_table
+
+    t = tmp_path / "events"
+    deltalake.write_deltalake(str(t), pa.table({"x": [1, 2]}))
+    deltalake.write_deltalake(str(t), pa.table({"x": [3]}), mode="append")
+    (tmp_path / "link").symlink_to(t)
+    source = {"path": str(t), "file-uri": f"file://{t}", "DeltaTable": deltalake.DeltaTable(str(t)),
+              "symlink": str(tmp_path / "link")}[how]
+    with pytest.raises(ValueError, match="lies inside the target"):
+        export_table(source, t)
+    assert deltalake.DeltaTable(str(t)).version() == 1
+
+
+def test_the_leftover_warning_names_only_this_targets_staging(tmp_path, caplog):
+    """An export to "events" warned about (and told users to remove) a staging directory of an
+    export to "events-v0", which may be running."""
+    from torchio import export_table
+
+    (tmp_path / ".export-events-v0-0123456789abcdef").mkdir()
+    (tmp_path / ".export-events-fedcba9876543210.old").mkdir()
+    with caplog.at_level("WARNING", logger="torchio.tables"):
+        export_table(pa.table({"x": [1]}), tmp_path / "events")
+    warned = " ".join(r.getMessage() for r in caplog.records if "did not finish" in r.getMessage())
+    assert ".export-events-fedcba9876543210.old" in warned and "events-v0" not in warned
