@@ -31,6 +31,9 @@ _WHERE = {
     "export_table": ".tables",
 }
 
+# Optional packages, and the extra of pyproject.toml that installs each.
+_EXTRAS = {"pyarrow": "tables", "deltalake": "tables", "torch": "torch", "numpy": "torch"}
+
 if TYPE_CHECKING:
     from .dataset import UCVolumeDataset
     from .dcp import UCVolumeReader, UCVolumeWriter
@@ -40,7 +43,14 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str):
     if name in _WHERE:
-        value = getattr(importlib.import_module(_WHERE[name], __name__), name)
+        try:
+            module = importlib.import_module(_WHERE[name], __name__)
+        except ModuleNotFoundError as e:
+            if e.name in _EXTRAS:
+                raise ModuleNotFoundError(f"torchio.{name} needs {e.name}, which is not installed: "
+                                          f"pip install 'ucfs[{_EXTRAS[e.name]}]'", name=e.name) from e
+            raise
+        value = getattr(module, name)
         globals()[name] = value  # later lookups skip this function
         return value
     raise AttributeError(f"module 'torchio' has no attribute {name!r}")

@@ -230,7 +230,11 @@ def _open_scanner(source: Any, *, columns: list[str] | None, filter: Any, versio
         location = os.fspath(source)
         if "://" not in location:
             location = os.path.abspath(location)
-        from deltalake import DeltaTable  # only exports of Delta tables need it
+        try:
+            from deltalake import DeltaTable  # only exports of Delta tables need it
+        except ModuleNotFoundError as e:
+            raise ModuleNotFoundError("exporting a Delta table needs deltalake, which is not installed: "
+                                      "pip install 'ucfs[tables]'", name="deltalake") from e
 
         source = DeltaTable(location, version=version, storage_options=storage_options)
     elif version is not None or storage_options is not None:

@@ -600,3 +600,17 @@ def test_a_store_this_process_cannot_reach_switches_direct_fills_off(monkeypatch
     for i in range(3):
         assert src.fetch(f"/Volumes/c/s/v/f{i}.bin", 100, whole_second) is None
     assert time.monotonic() - t0 < 0.1
+
+
+def test_export_table_without_pyarrow_says_which_extra_to_install(monkeypatch):
+    import sys
+
+    import torchio
+
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # as if not installed
+    for mod in [m for m in sys.modules if m == "torchio.tables" or m.startswith("pyarrow.")]:
+        monkeypatch.delitem(sys.modules, mod)
+    if "export_table" in vars(torchio):  # imported by an earlier test (getattr would import it again)
+        monkeypatch.delitem(vars(torchio), "export_table")
+    with pytest.raises(ModuleNotFoundError, match=r"needs pyarrow.*pip install 'ucfs\[tables\]'"):
+        torchio.export_table
