@@ -911,13 +911,17 @@ class Core:
         await self._forget_name(parent, node)
         self.stats["unlinks"] += 1
 
+    def _object_readers(self, node: Inode) -> list[FileHandle]:
+        """node's open handles that read its object from the store (not a staging file)."""
+        return [h for h in self._handles.values()
+                if isinstance(h, FileHandle) and h.inode is node and h.staged is None and h.version is not None]
+
     async def _follow_rename(self, node: Inode, new_key: str, new_etag: str) -> None:
         """node's object was copied to `new_key` and its old key is about to go: handles reading it
         must read on under the new name, as open files do on a local file system. When the copy
         kept the ETag the bytes are the same, and the handles are pointed at it; otherwise (a copy
         in parts makes a new ETag) they are given a local copy, as for an unlink."""
-        readers = [h for h in self._handles.values()
-                   if isinstance(h, FileHandle) and h.inode is node and h.staged is None and h.version is not None]
+        readers = self._object_readers(node)
         if not readers:
             return
         if any(h.version.etag != new_etag for h in readers):
@@ -937,14 +941,10 @@ class Core:
         have fetched all of it yet, and the store will not serve it again, so copy it into a
         staging file (as an open for writing would) that those handles read from, that is never
         committed (unlink drops it), and that goes with their last close."""
-        def readers() -> list[FileHandle]:
-            return [h for h in self._handles.values()
-                    if isinstance(h, FileHandle) and h.inode is node and h.staged is None]
-
-        if not readers():
+        if not self._object_readers(node):
             return
         s = await self.committer.stage(node, truncate=False)
-        for h in readers():  # again: more may have opened during the copy
+        for h in self._object_readers(node):  # again: more may have opened during the copy
             h.staged = s
             s.handles += 1
         self.stats["unlinked_while_open"] += 1
