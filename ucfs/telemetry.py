@@ -173,6 +173,13 @@ class RateSampler:
         return {k: round((b.get(k, 0) - a.get(k, 0)) / dt, 1) for k in b}
 
 
+def _label_value(value) -> str:
+    """A label value as the text exposition format writes it: backslash, double quote and newline
+    escaped. Store names come from the catalog and may hold any of them; unescaped, one such name
+    makes the page unparseable, and Prometheus rejects the whole scrape."""
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 def prometheus_text(status: dict) -> str:
     """Flatten the status document into Prometheus metrics (numbers only; names prefixed ucfs_)."""
     lines: list[str] = []
@@ -182,7 +189,7 @@ def prometheus_text(status: dict) -> str:
             return
         lab = ""
         if labels:
-            lab = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}"
+            lab = "{" + ",".join(f'{k}="{_label_value(v)}"' for k, v in labels.items()) + "}"
         lines.append(f"ucfs_{name}{lab} {value}")
 
     for key, value in status.items():

@@ -30,3 +30,12 @@ def test_a_stall_is_measured_and_its_stack_sampled():
     assert stats["loop_stalls_over_100ms"] == 1, stats
     (sample,) = stats["loop_stall_samples"]
     assert any("_block_the_loop_for" in frame for frame in sample["stack"]), sample
+
+
+def test_metric_label_values_are_escaped_as_the_text_format_requires():
+    """A store's name comes from the catalog and may hold a quote, a backslash or a newline; written
+    as is, it broke the line (or the page) and Prometheus rejected the whole scrape."""
+    name = 'odd "store" \\ with\nnewline'
+    text = telemetry.prometheus_text({"stores": {name: {"get": 3}}, "ready_s": 1})
+    assert text.splitlines() == ['ucfs_store_get_total{store="odd \\"store\\" \\\\ with\\nnewline"} 3',
+                                 "ucfs_ready_s 1"]
