@@ -2,7 +2,8 @@
 
 A catalog is a TOML file::
 
-    [stores.minio]                      # optional: an S3 endpoint (default: AWS, standard credential chain)
+    [stores.minio]                      # optional: an S3 endpoint (default: AWS, standard credential chain);
+                                        # any name but "local", the built-in store of local directories
     endpoint_url = "http://127.0.0.1:9000"
     region = "us-east-1"
 
@@ -27,6 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ConfigError
+
+# The store of every volume on a local directory; a [stores.*] table may not take this name.
+LOCAL_STORE = "local"
 
 # Characters a catalog, schema or volume name may hold: what works unquoted in a shell and a URL.
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}$")
@@ -162,6 +166,12 @@ class Catalog:
         for sname, s in (data.get("stores") or {}).items():
             if not isinstance(s, dict):
                 raise ConfigError(f"{where('stores', sname)}: [stores.{sname}] must be a table")
+            if sname == LOCAL_STORE:
+                # Volumes on local directories share a built-in store of this name; a second store
+                # of the same name would have one set of volumes sent to the other's store.
+                raise ConfigError(f"{where('stores', sname)}: [stores.{sname}]: the store name "
+                                  f"{sname!r} is reserved for volumes on local directories; "
+                                  "give this store another name")
             bad = sorted(set(s) - {"endpoint_url", "region", "profile", "path_style", "payload_signing"})
             if bad:
                 raise ConfigError(f"{where('stores', sname, bad[0])}: unknown key(s) {bad} "
@@ -223,7 +233,7 @@ class Catalog:
                 if not os.path.isabs(d):
                     raise ConfigError(f"{at('location')}: location {location!r} must be s3://bucket/prefix "
                                       "or an absolute directory path")
-                bucket, prefix, spec = os.path.normpath(d), "", StoreSpec("local", "local")
+                bucket, prefix, spec = os.path.normpath(d), "", StoreSpec(LOCAL_STORE, "local")
             grants = {}
             for kind in ("readers", "writers"):
                 try:
@@ -241,7 +251,7 @@ class Catalog:
     @classmethod
     def embedded(cls, demo_dir: str | os.PathLike) -> "Catalog":
         """The catalog `ucfs mount` uses when given none: one sample volume on the local disk."""
-        spec = StoreSpec("local", "local")
+        spec = StoreSpec(LOCAL_STORE, "local")
         vol = Volume("main", "default", "samples", spec, os.path.abspath(demo_dir), "")
         return cls({("main", "default", "samples"): vol}, "<embedded>")
 

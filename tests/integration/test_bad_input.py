@@ -305,6 +305,8 @@ CATALOGS = {
     "relative path": (GOOD + '[volumes."a.b.c"]\nlocation = "data/x"\n', 9, "absolute"),
     "store key type": ('[stores.s]\nendpoint_url = 9000\n\n[volumes."a.b.c"]\nlocation = "s3://b/x"\n'
                        'store = "s"\n', 2, "endpoint_url"),
+    "store named local": ('[stores.local]\nendpoint_url = "http://127.0.0.1:1"\n\n[volumes."a.b.c"]\n'
+                          'location = "s3://b/x"\nstore = "local"\n', 1, "reserved"),
     "not utf-8": (GOOD.encode() + b'[volumes."a.b.c"]\nlocation = "s3://b/\xff"\n', 9, "UTF-8"),
 }
 
