@@ -55,7 +55,16 @@ def seed_demo_store(root: Path) -> None:
     (root / "checkpoints").mkdir(exist_ok=True)
 
 
+# --log-level: "trace" is "debug" with the S3 client library's own debug records (botocore's
+# requests and retries) added; those are quiet otherwise.
+LOG_LEVELS = {"trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO,
+              "warning": logging.WARNING, "error": logging.ERROR}
+
+
 def _setup_logging(level: str, logfile: Path | None) -> None:
+    name = level.lower()
+    if name not in LOG_LEVELS:  # never quietly INFO: a user asking for more would get less
+        raise ValueError(f"log level {level!r}: give one of {', '.join(LOG_LEVELS)}")
     handler: logging.Handler
     if logfile is not None:
         handler = logging.handlers.RotatingFileHandler(logfile, maxBytes=10 << 20, backupCount=3)
@@ -64,14 +73,14 @@ def _setup_logging(level: str, logfile: Path | None) -> None:
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(getattr(logging, level.upper(), logging.INFO))
+    root.setLevel(LOG_LEVELS[name])
     # The format has no thread name, and asking for one costs: a record made in a worker thread of
     # ucfs.threads (started with _thread) would give that thread a threading._DummyThread that is
     # never removed. 2,000 short-lived logging threads left 101 of them; none with this off.
     logging.logThreads = False
     # botocore logs request details (never credentials) at DEBUG; keep it quiet unless asked.
     for noisy in ("botocore", "boto3", "urllib3", "s3transfer"):
-        logging.getLogger(noisy).setLevel(logging.WARNING if level.upper() != "TRACE" else logging.DEBUG)
+        logging.getLogger(noisy).setLevel(logging.DEBUG if name == "trace" else logging.WARNING)
 
 
 def _load_catalog(args) -> Catalog:
@@ -364,7 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="send every write through the daemon, even where the kernel could write files "
                         "being written straight to their staging files (FUSE passthrough)")
     m.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground, log to stderr")
-    m.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "trace"])
+    m.add_argument("--log-level", default="info", type=str.lower, choices=list(LOG_LEVELS),
+                   help="default info; trace is debug with the S3 client library's records")
     m.add_argument("--no-drain", action="store_true",
                    help="on exit, leave pending commits for the next mount instead of waiting")
     m.set_defaults(fn=cmd_mount)

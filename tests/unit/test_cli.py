@@ -1,0 +1,46 @@
+"""The command line without a mount: option checks and set-up that must fail with one clear message."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from ucfs import cli
+
+
+@pytest.fixture
+def logging_restored(monkeypatch):
+    """`_setup_logging` changes the process's logging; put it back afterwards."""
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", list(root.handlers))
+    monkeypatch.setattr(root, "level", root.level)
+    monkeypatch.setattr(logging, "logThreads", logging.logThreads)
+    for noisy in ("botocore", "boto3", "urllib3", "s3transfer"):
+        monkeypatch.setattr(logging.getLogger(noisy), "level", logging.getLogger(noisy).level)
+    yield root
+    for handler in root.handlers:
+        handler.close()
+
+
+@pytest.mark.parametrize("given, ours, botocore", [
+    ("trace", logging.DEBUG, logging.DEBUG),  # was INFO: asking for the most gave less than debug
+    ("debug", logging.DEBUG, logging.WARNING),
+    ("info", logging.INFO, logging.WARNING),
+    ("warning", logging.WARNING, logging.WARNING),
+    ("error", logging.ERROR, logging.WARNING),
+])
+def test_each_log_level_sets_what_it_names(logging_restored, tmp_path, given, ours, botocore):
+    level = cli.build_parser().parse_args(["mount", "--log-level", given.upper()]).log_level
+    cli._setup_logging(level, tmp_path / "ucfs.log")
+    assert logging_restored.level == ours
+    assert logging.getLogger("botocore").level == botocore
+
+
+def test_an_unknown_log_level_is_refused_not_taken_for_info(logging_restored, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.build_parser().parse_args(["mount", "--log-level", "verbose"])
+    assert e.value.code == 2
+    assert "--log-level" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="verbose"):
+        cli._setup_logging("verbose", tmp_path / "ucfs.log")
