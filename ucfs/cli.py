@@ -90,7 +90,12 @@ def _load_catalog(args) -> Catalog:
     if SYSTEM_CATALOG.exists():
         return Catalog.load(SYSTEM_CATALOG)
     demo = demo_store_dir()
-    seed_demo_store(demo)
+    try:
+        seed_demo_store(demo)
+    except OSError as e:  # a home that is read-only or full, a file where a directory should be
+        where = f"{e.filename}: " if e.filename else ""
+        raise UcfsError(f"cannot set up the embedded sample volume in {demo} ({where}{e.strerror or e}); "
+                        "give a catalog with --config or $UCFS_CONFIG") from None
     return Catalog.embedded(demo)
 
 

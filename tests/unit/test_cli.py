@@ -44,3 +44,19 @@ def test_an_unknown_log_level_is_refused_not_taken_for_info(logging_restored, tm
     assert "--log-level" in capsys.readouterr().err
     with pytest.raises(ValueError, match="verbose"):
         cli._setup_logging("verbose", tmp_path / "ucfs.log")
+
+
+def test_a_sample_volume_that_cannot_be_made_is_one_message(tmp_path, monkeypatch, capsys):
+    """Without a catalog, `ucfs mount` fills a sample volume under the user's data directory; where
+    that cannot be made (here a file is in the way), say so instead of a traceback."""
+    blocker = tmp_path / "data"
+    blocker.write_text("a file where the data directory would be")
+    monkeypatch.setattr(cli, "demo_store_dir", lambda: blocker / "ucfs" / "samples")
+    monkeypatch.setattr(cli, "SYSTEM_CATALOG", tmp_path / "no-such-catalog.toml")
+    monkeypatch.delenv("UCFS_CONFIG", raising=False)
+    mnt = tmp_path / "mnt"
+    assert cli.main(["mount", str(mnt), "--cache-dir", str(tmp_path / "state"), "--foreground"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ucfs: "), err
+    assert "sample volume" in err[0] and str(blocker) in err[0] and "--config" in err[0], err[0]
+    assert not mnt.exists() and not (tmp_path / "state").exists()  # refused before anything was made
