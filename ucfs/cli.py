@@ -12,6 +12,7 @@ import logging
 import logging.handlers
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from pathlib import Path
 from . import __version__
 from .cache import ensure_private_dir
 from .catalog import Catalog
-from .config import MountConfig, default_state_dir, parse_size
+from .config import MountConfig, default_state_dir, parse_size, resolve_mountpoint
 from .errors import UcfsError
 
 log = logging.getLogger("ucfs")
@@ -138,9 +139,8 @@ def cmd_mount(args) -> int:
     catalog = _load_catalog(args)
     cfg = _mount_config(args)
     state_dir = Path(args.cache_dir) if args.cache_dir else default_state_dir()
-    opts = MountOptions(mountpoint=Path(args.mountpoint), state_dir=state_dir,
+    opts = MountOptions(mountpoint=check_mountpoint(Path(args.mountpoint)), state_dir=state_dir,
                         drain_on_exit=not args.no_drain)
-    check_mountpoint(opts.mountpoint)
     if not os.path.exists("/dev/fuse"):
         raise UcfsError("/dev/fuse is missing: load the fuse module (modprobe fuse) or run where FUSE works")
     if args.foreground:
@@ -180,7 +180,7 @@ def _daemonize(catalog, cfg, opts, log_level: str) -> int:
         os.close(r)
         msg = b"".join(chunks).decode(errors="replace").strip()
         if msg == "ok":
-            print(f"ucfs: mounted {len(catalog.volumes)} volume(s) at {opts.mountpoint.absolute()} "
+            print(f"ucfs: mounted {len(catalog.volumes)} volume(s) at {opts.mountpoint} "
                   f"(pid {pid}, log {logfile})")
             return 0
         print(msg or f"ucfs: the mount daemon exited before it was ready; see {logfile}", file=sys.stderr)
@@ -225,12 +225,14 @@ def _try_write(fd: int, msg: str) -> None:
 
 
 def _ucfs_mounts() -> list[str]:
+    """The mountpoints of ucfs mounts, as the kernel names them (see `resolve_mountpoint`)."""
     out = []
     with open("/proc/self/mounts") as f:
         for line in f:
             dev, mnt, fstype, *_ = line.split()
             if fstype == "fuse.ucfs" or (fstype.startswith("fuse") and dev == "ucfs"):
-                out.append(mnt.replace("\\040", " "))
+                # The kernel writes space, tab, newline and backslash in a path as octal escapes.
+                out.append(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), mnt))
     return out
 
 
@@ -241,7 +243,7 @@ def read_status(mountpoint: str) -> dict:
 
 
 def cmd_unmount(args) -> int:
-    mnt = os.path.abspath(args.mountpoint)
+    mnt = str(resolve_mountpoint(args.mountpoint))
     if mnt not in _ucfs_mounts():
         raise UcfsError(f"{mnt} is not a ucfs mount")
     if args.no_wait:
@@ -282,7 +284,7 @@ def _wait_drained(mnt: str) -> None:
 
 
 def cmd_status(args) -> int:
-    mounts = [os.path.abspath(args.mountpoint)] if args.mountpoint else _ucfs_mounts()
+    mounts = [str(resolve_mountpoint(args.mountpoint))] if args.mountpoint else _ucfs_mounts()
     if not mounts:
         print("no ucfs mounts")
         return 0

@@ -30,8 +30,29 @@ def runtime_dir() -> Path:
     return d
 
 
+def resolve_mountpoint(path: str | os.PathLike) -> Path:
+    """A mountpoint as the kernel names it in /proc/self/mounts: absolute, symbolic links resolved.
+
+    The daemon and the CLI both name a mount this way, so that a mountpoint given through a symlink
+    finds the same socket, descriptor and mount table entry whichever name was used where.
+    Only the directories above the mountpoint are resolved with realpath; the mountpoint itself is
+    only read as a link, never stat'ed: on a mount that stat would be a request to its daemon, which
+    waits for ever when that daemon is hung (or is the caller), and fails on a dead one."""
+    p = os.path.abspath(path)
+    for _ in range(40):  # the kernel's own limit on links followed (ELOOP)
+        parent, name = os.path.split(p)
+        p = os.path.join(os.path.realpath(parent), name)
+        try:
+            target = os.readlink(p)
+        except OSError:  # not a link (or not there yet: it may be made)
+            break
+        p = os.path.normpath(os.path.join(os.path.dirname(p), target))
+    return Path(p)
+
+
 def mount_runtime_name(mountpoint: str | os.PathLike) -> str:
-    """The name, in `runtime_dir()`, under which a mount's socket and descriptor live."""
+    """The name, in `runtime_dir()`, under which a mount's socket and descriptor live (of the
+    mountpoint as `resolve_mountpoint` gives it: both daemon and CLI resolve first)."""
     return hashlib.sha256(os.path.abspath(mountpoint).encode()).hexdigest()[:20]
 
 

@@ -32,7 +32,7 @@ from .allocator import HEAP_AFTER_IDLE_S, Allocator
 from .cache import BlockCache, ensure_private_dir
 from .commit import Committer
 from .catalog import Catalog, StoreSpec
-from .config import KiB, MountConfig, mount_descriptor_path
+from .config import KiB, MountConfig, mount_descriptor_path, resolve_mountpoint
 from .core import Core
 from .errors import UcfsError
 from .fs import Operations
@@ -64,7 +64,9 @@ def make_store(spec: StoreSpec, cfg: MountConfig, *, access_key: str | None = No
 
 
 def check_mountpoint(path: Path) -> Path:
-    path = path.absolute()
+    """The mountpoint to mount at (as `resolve_mountpoint` names it), made if missing; a UcfsError
+    when it cannot be used."""
+    path = resolve_mountpoint(path)
     if not path.exists():
         if not path.parent.is_dir():
             raise UcfsError(f"mountpoint {path}: parent directory {path.parent} does not exist")

@@ -60,3 +60,19 @@ def test_a_sample_volume_that_cannot_be_made_is_one_message(tmp_path, monkeypatc
     assert len(err) == 1 and err[0].startswith("ucfs: "), err
     assert "sample volume" in err[0] and str(blocker) in err[0] and "--config" in err[0], err[0]
     assert not mnt.exists() and not (tmp_path / "state").exists()  # refused before anything was made
+
+
+def test_a_mountpoint_is_named_with_its_links_resolved(tmp_path, monkeypatch):
+    from ucfs.config import resolve_mountpoint
+
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    (tmp_path / "relative").symlink_to("link")  # a link to a link, relative
+    (tmp_path / "dirlink").symlink_to(tmp_path)
+    (tmp_path / "dangling").symlink_to(tmp_path / "not-yet")  # made by `ucfs mount`
+    assert resolve_mountpoint(tmp_path / "relative") == real
+    assert resolve_mountpoint(tmp_path / "dirlink" / "link") == real
+    assert resolve_mountpoint(tmp_path / "dangling") == tmp_path / "not-yet"
+    monkeypatch.chdir(tmp_path)
+    assert resolve_mountpoint("link/") == real
