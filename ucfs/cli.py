@@ -7,6 +7,7 @@ tracebacks are for bugs.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import logging.handlers
@@ -139,7 +140,14 @@ def cmd_mount(args) -> int:
     catalog = _load_catalog(args)
     cfg = _mount_config(args)
     state_dir = Path(args.cache_dir) if args.cache_dir else default_state_dir()
-    opts = MountOptions(mountpoint=check_mountpoint(Path(args.mountpoint)), state_dir=state_dir,
+    mnt = str(resolve_mountpoint(args.mountpoint))
+    if mnt in _ucfs_mounts() and _is_dead_mount(mnt):
+        # A ucfs daemon that was killed (or crashed) left its mount behind. Nothing can be served
+        # from it any more, and the commits it left pending are in its cache directory's journal, not
+        # in the mount: detaching it loses nothing, and mounting again is what finishes them.
+        _lazy_unmount(mnt)
+        print(f"ucfs: {mnt} was a dead ucfs mount (its daemon had exited); unmounted it", file=sys.stderr)
+    opts = MountOptions(mountpoint=check_mountpoint(Path(mnt)), state_dir=state_dir,
                         drain_on_exit=not args.no_drain)
     if not os.path.exists("/dev/fuse"):
         raise UcfsError("/dev/fuse is missing: load the fuse module (modprobe fuse) or run where FUSE works")
@@ -236,22 +244,61 @@ def _ucfs_mounts() -> list[str]:
     return out
 
 
-def read_status(mountpoint: str) -> dict:
-    from .control import query
+def _is_dead_mount(mnt: str) -> bool:
+    """Whether mnt is a FUSE mount whose daemon is gone: the kernel then fails every request to it
+    with ENOTCONN ("Transport endpoint is not connected") until it is unmounted.
 
-    return query(mountpoint, "status")
+    statvfs, not stat: the kernel answers a stat from the attributes it cached (for the metadata
+    TTL) without asking anyone, so a mount that has just died still stats fine; statfs is always
+    a request."""
+    try:
+        os.statvfs(mnt)
+    except OSError as e:
+        return e.errno == errno.ENOTCONN
+    return False
+
+
+def _lazy_unmount(mnt: str) -> None:
+    """Detach a (dead) mount: -z / -l, because a process still inside it would make a plain
+    unmount fail with EBUSY, and there is nothing left to wait for."""
+    tool = shutil.which("fusermount3") or shutil.which("fusermount")
+    cmd = [tool, "-u", "-z", mnt] if tool else ["umount", "-l", mnt]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise UcfsError(f"{mnt} is a dead ucfs mount (its daemon has exited) and unmounting it failed: "
+                        f"{res.stderr.strip() or res.stdout.strip()}")
+
+
+def read_status(mountpoint: str) -> dict:
+    from .control import NoDaemonError, query
+
+    try:
+        return query(mountpoint, "status")
+    except NoDaemonError:
+        if _is_dead_mount(mountpoint):
+            raise NoDaemonError(f"{mountpoint} is a dead ucfs mount (its daemon has exited); clear it "
+                                f"with: ucfs unmount {mountpoint}") from None
+        raise
 
 
 def cmd_unmount(args) -> int:
     mnt = str(resolve_mountpoint(args.mountpoint))
     if mnt not in _ucfs_mounts():
         raise UcfsError(f"{mnt} is not a ucfs mount")
-    if args.no_wait:
-        from .control import query
+    from .control import NoDaemonError, query
 
-        query(mnt, "no-drain")  # else the daemon would drain after the unmount, holding the cache dir
-    else:
-        _wait_drained(mnt)
+    try:
+        if args.no_wait:
+            query(mnt, "no-drain")  # else the daemon would drain after the unmount, holding the cache dir
+        else:
+            _wait_drained(mnt)
+    except NoDaemonError:
+        if not _is_dead_mount(mnt):
+            raise
+        _lazy_unmount(mnt)
+        print(f"ucfs: unmounted {mnt}, a dead mount (its daemon had exited); what it left to commit is "
+              "committed by the next mount of its cache directory")
+        return 0
     tool = shutil.which("fusermount3") or shutil.which("fusermount")
     cmd = [tool, "-u", mnt] if tool else ["umount", mnt]
     res = subprocess.run(cmd, capture_output=True, text=True)

@@ -26,6 +26,10 @@ from .errors import UcfsError
 log = logging.getLogger(__name__)
 
 
+class NoDaemonError(UcfsError):
+    """No daemon listens on the mount's socket: none runs for it, or it died (a dead mount)."""
+
+
 def socket_path(mountpoint: str | os.PathLike) -> Path:
     return runtime_dir() / f"{mount_runtime_name(mountpoint)}.sock"
 
@@ -90,7 +94,7 @@ def query(mountpoint: str | os.PathLike, command: str = "status", timeout_s: flo
                 break
             chunks.append(b)
     except (FileNotFoundError, ConnectionRefusedError):
-        raise UcfsError(f"{os.path.abspath(mountpoint)}: no ucfs daemon answers for this mountpoint") from None
+        raise NoDaemonError(f"{os.path.abspath(mountpoint)}: no ucfs daemon answers for this mountpoint") from None
     except OSError as e:
         raise UcfsError(f"{os.path.abspath(mountpoint)}: ucfs daemon did not answer ({e})") from None
     finally:

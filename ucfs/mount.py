@@ -11,6 +11,7 @@ journaled for the next mount, which commits it.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import gc
 import json
@@ -67,6 +68,17 @@ def check_mountpoint(path: Path) -> Path:
     """The mountpoint to mount at (as `resolve_mountpoint` names it), made if missing; a UcfsError
     when it cannot be used."""
     path = resolve_mountpoint(path)
+    try:
+        os.statvfs(path)  # not stat, which a mount that just died may answer from cached attributes
+    except (FileNotFoundError, NotADirectoryError):
+        pass  # made below, or the message says what is missing
+    except OSError as e:
+        if e.errno == errno.ENOTCONN:
+            # What a FUSE mount whose daemon died (or was killed) leaves behind: the mount stays,
+            # and every access to it fails like this until it is unmounted.
+            raise UcfsError(f"{path} is a dead FUSE mount (its daemon has exited: {e.strerror}); "
+                            f"clear it with: fusermount3 -u -z {path}") from None
+        raise UcfsError(f"mountpoint {path}: {e.strerror}") from None
     if not path.exists():
         if not path.parent.is_dir():
             raise UcfsError(f"mountpoint {path}: parent directory {path.parent} does not exist")

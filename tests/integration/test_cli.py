@@ -6,11 +6,15 @@ non-zero exit, never a traceback.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import signal
 import subprocess
 import sys
 
-from tests.support import REPO
+import pytest
+
+from tests.support import REPO, obj, sync_dir
 
 
 def ucfs(m, *args, timeout=60) -> subprocess.CompletedProcess:
@@ -54,3 +58,48 @@ def test_a_mountpoint_given_through_a_symlink_is_the_same_mount_by_either_name(m
         assert r.returncode == 0, r.stderr
         assert not os.path.ismount(real)
         assert f"at {real} " in mounted.stdout, mounted.stdout  # the name the kernel and status use
+
+
+def _kill_leaving_a_dead_mount(m) -> None:
+    """SIGKILL the daemon and leave its mount behind, as a crash does."""
+    m.proc.send_signal(signal.SIGKILL)
+    m.proc.wait(timeout=30)
+    m.proc = None
+    with pytest.raises(OSError) as e:
+        os.statvfs(m.mountpoint)  # (a stat may still be answered from cached attributes)
+    assert e.value.errno == errno.ENOTCONN
+
+
+def test_mounting_again_over_a_dead_mount_clears_it_and_serves(mount_factory, s3, bucket, prefix):
+    """Mounting again is how a crashed daemon's pending commits get finished; it failed with a
+    traceback (ENOTCONN from the mountpoint check) as long as the dead mount was there."""
+    m = mount_factory()
+    (m.path() / "pending.txt").write_bytes(b"closed before the crash")
+    _kill_leaving_a_dead_mount(m)
+    # Another FUSE file system's dead mount is not ours to clear: the check says what to do.
+    from ucfs.errors import UcfsError
+    from ucfs.mount import check_mountpoint
+
+    with pytest.raises(UcfsError, match=f"{m.mountpoint} is a dead FUSE mount .*fusermount3 -u -z"):
+        check_mountpoint(m.mountpoint)
+    m.start()
+    assert f"{m.mountpoint} was a dead ucfs mount" in m.log_path.read_text()
+    assert "Traceback" not in m.log_path.read_text()
+    assert (m.path() / "pending.txt").read_bytes() == b"closed before the crash"
+    sync_dir(m.path())
+    assert obj(s3, bucket, f"{prefix}/vol/pending.txt") == b"closed before the crash"
+
+
+def test_status_names_a_dead_mount_and_unmount_clears_it(mount_factory):
+    m = mount_factory()
+    _kill_leaving_a_dead_mount(m)
+    st = ucfs(m, "status", str(m.mountpoint))
+    assert st.returncode == 1 and st.stderr.strip() == (
+        f"ucfs: {m.mountpoint} is a dead ucfs mount (its daemon has exited); clear it with: "
+        f"ucfs unmount {m.mountpoint}"), st.stderr
+    r = ucfs(m, "unmount", str(m.mountpoint))
+    assert r.returncode == 0, r.stderr
+    assert "dead mount" in r.stdout and "Traceback" not in r.stderr
+    assert not os.path.ismount(m.mountpoint)
+    m.start()  # and the place is usable again
+    assert m.stop() == 0
