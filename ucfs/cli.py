@@ -332,21 +332,27 @@ def _wait_drained(mnt: str) -> None:
 
 def cmd_status(args) -> int:
     mounts = [str(resolve_mountpoint(args.mountpoint))] if args.mountpoint else _ucfs_mounts()
-    if not mounts:
+    if not mounts and not args.json:
         print("no ucfs mounts")
         return 0
     failed = 0
+    # --json: one document, an object keyed by mountpoint, however many mounts there are (one
+    # document per mount, printed one after the other, was not JSON any more with two).
+    docs: dict[str, dict] = {}
     for mnt in mounts:
         try:
             st = read_status(mnt)
         except UcfsError as e:
             print(f"ucfs: {e}", file=sys.stderr)
             failed += 1
+            docs[mnt] = {"error": str(e)}
             continue
         if args.json:
-            print(json.dumps({mnt: st}, indent=2))
+            docs[mnt] = st
             continue
         print(format_status(mnt, st))
+    if args.json:
+        print(json.dumps(docs, indent=2))
     return 1 if failed else 0
 
 
@@ -441,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("status", help="cache, read-ahead, store requests and pending commits")
     s.add_argument("mountpoint", nargs="?")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="one JSON object keyed by mountpoint")
     s.set_defaults(fn=cmd_status)
 
     from . import bench  # light: boto3 is imported only when the bench runs

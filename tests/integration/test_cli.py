@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -60,14 +61,21 @@ def test_a_mountpoint_given_through_a_symlink_is_the_same_mount_by_either_name(m
         assert f"at {real} " in mounted.stdout, mounted.stdout  # the name the kernel and status use
 
 
-def _kill_leaving_a_dead_mount(m) -> None:
-    """SIGKILL the daemon and leave its mount behind, as a crash does."""
+@contextlib.contextmanager
+def crashed(m):
+    """SIGKILL the daemon and leave its mount behind, as a crash does; the dead mount is cleared
+    afterwards unless the test mounted again."""
     m.proc.send_signal(signal.SIGKILL)
     m.proc.wait(timeout=30)
     m.proc = None
-    with pytest.raises(OSError) as e:
-        os.statvfs(m.mountpoint)  # (a stat may still be answered from cached attributes)
-    assert e.value.errno == errno.ENOTCONN
+    try:
+        with pytest.raises(OSError) as e:
+            os.statvfs(m.mountpoint)  # (a stat may still be answered from cached attributes)
+        assert e.value.errno == errno.ENOTCONN
+        yield
+    finally:
+        if m.proc is None:
+            subprocess.run(["fusermount3", "-u", "-z", str(m.mountpoint)], capture_output=True)
 
 
 def test_mounting_again_over_a_dead_mount_clears_it_and_serves(mount_factory, s3, bucket, prefix):
@@ -75,14 +83,14 @@ def test_mounting_again_over_a_dead_mount_clears_it_and_serves(mount_factory, s3
     traceback (ENOTCONN from the mountpoint check) as long as the dead mount was there."""
     m = mount_factory()
     (m.path() / "pending.txt").write_bytes(b"closed before the crash")
-    _kill_leaving_a_dead_mount(m)
-    # Another FUSE file system's dead mount is not ours to clear: the check says what to do.
-    from ucfs.errors import UcfsError
-    from ucfs.mount import check_mountpoint
+    with crashed(m):
+        # Another FUSE file system's dead mount is not ours to clear: the check says what to do.
+        from ucfs.errors import UcfsError
+        from ucfs.mount import check_mountpoint
 
-    with pytest.raises(UcfsError, match=f"{m.mountpoint} is a dead FUSE mount .*fusermount3 -u -z"):
-        check_mountpoint(m.mountpoint)
-    m.start()
+        with pytest.raises(UcfsError, match=f"{m.mountpoint} is a dead FUSE mount .*fusermount3 -u -z"):
+            check_mountpoint(m.mountpoint)
+        m.start()
     assert f"{m.mountpoint} was a dead ucfs mount" in m.log_path.read_text()
     assert "Traceback" not in m.log_path.read_text()
     assert (m.path() / "pending.txt").read_bytes() == b"closed before the crash"
@@ -92,14 +100,29 @@ def test_mounting_again_over_a_dead_mount_clears_it_and_serves(mount_factory, s3
 
 def test_status_names_a_dead_mount_and_unmount_clears_it(mount_factory):
     m = mount_factory()
-    _kill_leaving_a_dead_mount(m)
-    st = ucfs(m, "status", str(m.mountpoint))
-    assert st.returncode == 1 and st.stderr.strip() == (
-        f"ucfs: {m.mountpoint} is a dead ucfs mount (its daemon has exited); clear it with: "
-        f"ucfs unmount {m.mountpoint}"), st.stderr
-    r = ucfs(m, "unmount", str(m.mountpoint))
-    assert r.returncode == 0, r.stderr
-    assert "dead mount" in r.stdout and "Traceback" not in r.stderr
-    assert not os.path.ismount(m.mountpoint)
+    with crashed(m):
+        st = ucfs(m, "status", str(m.mountpoint))
+        assert st.returncode == 1 and st.stderr.strip() == (
+            f"ucfs: {m.mountpoint} is a dead ucfs mount (its daemon has exited); clear it with: "
+            f"ucfs unmount {m.mountpoint}"), st.stderr
+        r = ucfs(m, "unmount", str(m.mountpoint))
+        assert r.returncode == 0, r.stderr
+        assert "dead mount" in r.stdout and "Traceback" not in r.stderr
+        assert not os.path.ismount(m.mountpoint)
     m.start()  # and the place is usable again
     assert m.stop() == 0
+
+
+def test_status_json_is_one_document_keyed_by_mountpoint(mount_factory):
+    """With two mounts it printed two JSON documents one after the other: not JSON."""
+    a, b = mount_factory(name="a"), mount_factory(name="b")
+    r = ucfs(a, "status", "--json")  # every ucfs mount of the host (others' too, on a shared one)
+    doc = json.loads(r.stdout)
+    for m in (a, b):
+        assert doc[str(m.mountpoint)]["ready"] is True, doc.get(str(m.mountpoint))
+    r = ucfs(a, "status", "--json", str(a.mountpoint))
+    assert r.returncode == 0 and list(json.loads(r.stdout)) == [str(a.mountpoint)]
+    with crashed(b):
+        r = ucfs(b, "status", "--json", str(b.mountpoint))
+        assert r.returncode == 1
+        assert "dead ucfs mount" in json.loads(r.stdout)[str(b.mountpoint)]["error"]
