@@ -141,6 +141,12 @@ def cmd_mount(args) -> int:
     cfg = _mount_config(args)
     state_dir = Path(args.cache_dir) if args.cache_dir else default_state_dir()
     mnt = str(resolve_mountpoint(args.mountpoint))
+    state = Path(os.path.realpath(state_dir))
+    if state == Path(mnt) or Path(mnt) in state.parents:
+        # The daemon would keep its cache, staging files, journal and log on its own file system,
+        # and the first of them it touched after mounting would wait for itself: a hang.
+        raise UcfsError(f"cache directory {state_dir} is inside the mountpoint {mnt}; give a "
+                        "--cache-dir outside it")
     if mnt in _ucfs_mounts() and _is_dead_mount(mnt):
         # A ucfs daemon that was killed (or crashed) left its mount behind. Nothing can be served
         # from it any more, and the commits it left pending are in its cache directory's journal, not

@@ -337,12 +337,14 @@ def test_a_malformed_catalog_is_one_message_naming_file_and_line(tmp_path, case)
 
 
 OPTIONS = {
-    # name: (arguments, words the one message must contain); {file} is a regular file, {busy} a port in use
+    # name: (arguments, words the one message must contain); {file} is a regular file, {busy} a port in
+    # use, {mnt} the mountpoint
     "cache size inf": (["--cache-size", "inf"], "not a size"),
     "memory budget 1e400": (["--memory-budget", "1e400"], "not a size"),
     "min free inf": (["--min-free", "infG"], "not a size"),
     "cache dir is a file": (["--cache-dir", "{file}"], "not a directory"),
     "cache dir under a file": (["--cache-dir", "{file}/sub"], "not a directory"),
+    "cache dir in the mountpoint": (["--cache-dir", "{mnt}/state"], "inside the mountpoint"),  # hung
     "metrics port negative": (["--metrics-port", "-3"], "1 to 65535"),
     "metrics port too large": (["--metrics-port", "70000"], "1 to 65535"),  # was served on 70000 % 65536
     "metrics port in use": (["--metrics-port", "{busy}"], "in use"),
@@ -366,10 +368,10 @@ def test_a_bad_mount_option_is_one_message_and_no_mount(tmp_path, case, daemon):
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen()
-    args = [a.format(file=afile, busy=busy.getsockname()[1]) for a in args]
+    mnt = tmp_path / "mnt"
+    args = [a.format(file=afile, busy=busy.getsockname()[1], mnt=mnt) for a in args]
     if "--cache-dir" not in args:
         args += ["--cache-dir", str(tmp_path / "state")]
-    mnt = tmp_path / "mnt"
     try:
         r = subprocess.run([sys.executable, "-m", "ucfs", "mount", str(mnt), "--config", str(cat), *args,
                             *(() if daemon else ("--foreground",))],
