@@ -11,6 +11,8 @@ import functools
 import os
 from typing import Any, Callable, TypeVar
 
+import trio
+
 from .store import ListPage, ObjectInfo, Store, Upload
 from .threads import ThreadPool
 
@@ -71,7 +73,11 @@ class AsyncStore:
         await self._run(self.store.delete, bucket, key)
 
     async def check_bucket(self, bucket: str) -> None:
-        await self._run(self.store.check_bucket, bucket)
+        # The mount's start-up check, and the one call that may be abandoned: a pool call cannot be
+        # cancelled once it runs, so a store that does not answer held Ctrl-C (and the check's own
+        # time limit) until its timeouts and retries ran out, minutes later. Nothing else waits for
+        # this thread; it ends with its request (and never keeps the process from exiting).
+        await trio.to_thread.run_sync(self.store.check_bucket, bucket, abandon_on_cancel=True)
 
 
 # Local disk work (cache blocks, staging files) shares one pool: enough threads to keep a fast SSD

@@ -15,6 +15,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -186,11 +187,19 @@ def _daemonize(catalog, cfg, opts, log_level: str) -> int:
     if pid > 0:
         os.close(w)
         chunks = []
-        while True:
-            b = os.read(r, 4096)
-            if not b:
-                break
-            chunks.append(b)
+        try:
+            while True:
+                b = os.read(r, 4096)
+                if not b:
+                    break
+                chunks.append(b)
+        except KeyboardInterrupt:
+            # The daemon has a session of its own, out of the terminal's reach: pass Ctrl-C on, or
+            # it would go on to mount after the command that started it gave up. SIGTERM ends it at
+            # once before it mounts, and unmounts cleanly after.
+            os.kill(pid, signal.SIGTERM)
+            print(f"ucfs: interrupted: stopping the mount daemon (pid {pid})", file=sys.stderr)
+            return 130
         os.close(r)
         msg = b"".join(chunks).decode(errors="replace").strip()
         if msg == "ok":

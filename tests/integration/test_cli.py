@@ -6,16 +6,19 @@ non-zero exit, never a traceback.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
-from tests.support import REPO, obj, sync_dir
+from tests.support import REPO, obj, sync_dir, wait_until
 
 
 def ucfs(m, *args, timeout=60) -> subprocess.CompletedProcess:
@@ -126,3 +129,42 @@ def test_status_json_is_one_document_keyed_by_mountpoint(mount_factory):
         r = ucfs(b, "status", "--json", str(b.mountpoint))
         assert r.returncode == 1
         assert "dead ucfs mount" in json.loads(r.stdout)[str(b.mountpoint)]["error"]
+
+
+@pytest.fixture
+def silent_store(s3_endpoint):
+    """An endpoint that takes connections and never answers: a store that hangs."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(64)
+        yield dataclasses.replace(s3_endpoint, url=f"http://127.0.0.1:{sock.getsockname()[1]}")
+
+
+@pytest.mark.parametrize("daemon", [False, True], ids=["foreground", "daemon"])
+def test_ctrl_c_during_the_bucket_check_stops_the_mount_at_once(mount_factory, silent_store, daemon):
+    """The check waited for the store's own timeouts and retries (a minute or more) before Ctrl-C
+    took effect; a daemon went on to mount after the command that started it had given up."""
+    m = mount_factory(endpoint=silent_store, start=False)
+    m.root.mkdir(parents=True)
+    cat = m.root / "catalog.toml"
+    cat.write_text(m.catalog_text)
+    args = [sys.executable, "-m", "ucfs", "mount", str(m.mountpoint), "--config", str(cat),
+            "--cache-dir", str(m.state_dir), "--store-timeout", "20", *(() if daemon else ("-f",))]
+    proc = subprocess.Popen(args, env=m.env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        lock = m.state_dir / "lock"  # the daemon writes its pid there before the check
+        assert wait_until(lambda: lock.exists() and lock.read_text().startswith("pid "), 30)
+        pid = int(lock.read_text().split()[1])
+        time.sleep(1)  # into the check
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends the terminal's foreground process
+        out, err = proc.communicate(timeout=60)
+        assert time.monotonic() - t0 < 5, err
+        assert proc.returncode == 130 and "Traceback" not in err, err
+        assert wait_until(lambda: not os.path.exists(f"/proc/{pid}"), 5), "the daemon goes on"
+        assert not os.path.ismount(m.mountpoint)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
