@@ -10,10 +10,11 @@ Life of a written file (README "Semantics": Writes, Durability):
    commit completes soon after `close()`.
 3. `close()` (FUSE flush) makes the staging file durable (fdatasync) and writes a journal record, then
    queues the file and returns. From here on a crash loses nothing: the next mount replays the journal.
-   One exception: a stream whose upload is close behind the writer is finished instead
-   (`_close_commits`). Most of the file is in the store already, so completing the upload takes
-   less than writing the whole staging file to the disk, and the data is then durable in the store
-   itself; the staging file is never synced at all, and goes without reaching the disk.
+   One exception: a stream whose upload is close behind the writer is finished instead, when by
+   the rates measured here that is sooner than the sync (`_close_commits`). Most of the file is in
+   the store already, so completing the upload can take less than writing the whole staging file to
+   the disk, and the data is then durable in the store itself; the staging file is never synced at
+   all, and goes without reaching the disk.
 4. A bounded pool of commit workers uploads queued files oldest first: one PUT for small files, a
    multipart upload with parallel parts for large ones. A reader elsewhere sees the old object or the
    new one, never a mixture: parts are read under the file's lock and the upload is abandoned if the
@@ -69,8 +70,18 @@ STREAM_START_BYTES = 32 * MiB
 # close() has little left to do. Not while a stream keeps up with the writer: its close() completes
 # the upload instead of syncing, and the staged bytes need never reach the disk.
 BACKGROUND_SYNC_BYTES = 64 * MiB
-# ... nor while a stream is at most this many windows (parts in flight) behind the writer.
+# ... nor while a stream is at most this many windows (parts in flight) behind the writer, unless
+# the upload is known to be slower than the local disk (then close() will sync: see `_close_commits`).
 STREAM_LAG_WINDOWS = 4
+# A sync of at least this many bytes measures the staging disk's write rate (smaller ones measure
+# mostly latency); a stream measures its upload rate once it has sent this many bytes.
+RATE_SAMPLE_BYTES = 16 * MiB
+# Weight of the newest sample in the staging disk's measured write rate.
+SYNC_RATE_WEIGHT = 0.3
+# close() finishes a stream unless syncing is expected to be more than this many times sooner: a
+# finished upload leaves nothing behind (no journal row, no upload to come, a staging file that never
+# reaches the disk), while after a sync the whole upload is still to do.
+CLOSE_UPLOAD_PREFERENCE = 2.0
 # A file being written checks the staging disk's free space (making room by evicting cache, or
 # refusing with ENOSPC) once per this many bytes written: often enough not to overrun the floor by
 # much, seldom enough that a 1 MiB write does not pay a statfs in a disk thread every time. (A check
@@ -189,6 +200,11 @@ class Stream:
     next_off: int = 0  # bytes handed to part uploads so far
     next_part: int = 1
     done_bytes: int = 0  # bytes of parts uploaded
+    # Seconds during which parts were in flight, and since when they have been (trio time; None
+    # while none are): the upload's rate is done_bytes over that busy time, so that a writer slower
+    # than the store does not make the store look slow.
+    busy_s: float = 0.0
+    busy_since: float | None = None
     inflight: int = 0
     idle: trio.Event = field(default_factory=trio.Event)
     valid: bool = True
@@ -303,6 +319,8 @@ class Committer:
         # What a stream that keeps up has left to upload: the parts that may be in flight at once,
         # and the part being written (see `_close_commits`).
         self._stream_window = (int(self._part_slots.total_tokens) + 1) * cfg.part_bytes
+        # Bytes per second the staging disk took in recent syncs (None until one was measured).
+        self._sync_rate: float | None = None
         self._retired: set[str] = set()
         self.stats: collections.Counter[str] = collections.Counter()
         self._shutting_down = False
@@ -701,9 +719,9 @@ class Committer:
     def _grown(self, s: Staged) -> None:
         """s has new data: sync it in the background, or hand it to the stream."""
         if s.unsynced >= BACKGROUND_SYNC_BYTES and not self._stream_keeps_up(s):
-            s.unsynced = 0
+            n, s.unsynced = s.unsynced, 0
             self.pin(s)
-            self._nursery.start_soon(self._background_sync, s)
+            self._nursery.start_soon(self._background_sync, s, n)
         self._maybe_stream(s)
 
     # -- passthrough ----------------------------------------------------------------------------
@@ -829,13 +847,24 @@ class Committer:
         except OSError:
             pass
 
-    async def _background_sync(self, s: Staged) -> None:
+    async def _background_sync(self, s: Staged, n: int) -> None:
         try:
-            await run_disk(os.fdatasync, s.fd)
+            await self._sync(s, n)
         except OSError:
             pass  # the fdatasync at close reports problems
         finally:
             self.unpin(s)
+
+    async def _sync(self, s: Staged, n: int) -> None:
+        """fdatasync s's staging file, n bytes of which were written since its last sync; a large
+        enough sync measures the staging disk's write rate (`_close_commits` weighs it)."""
+        t0 = time.monotonic()
+        await run_disk(os.fdatasync, s.fd)
+        dt = time.monotonic() - t0
+        if n >= RATE_SAMPLE_BYTES and dt > 0:
+            rate = n / dt
+            old = self._sync_rate
+            self._sync_rate = rate if old is None else old + SYNC_RATE_WEIGHT * (rate - old)
 
     def pin(self, s: Staged) -> None:
         """Keep s's staging file while work without a handle of its own uses it (see `handles`)."""
@@ -905,8 +934,8 @@ class Committer:
                     s.flushed_generation = max(s.flushed_generation, gen)
                     self.stats["committed_at_close"] += 1
                     return
-                await run_disk(os.fdatasync, s.fd)
-                s.unsynced = 0
+                n, s.unsynced = s.unsynced, 0
+                await self._sync(s, n)
                 path = s.node.rel_path()
                 if s.rid is None:
                     s.row_pending = True
@@ -992,21 +1021,44 @@ class Committer:
             return None
         return s.size - st.done_bytes
 
+    @staticmethod
+    def _stream_rate(st: Stream) -> float | None:
+        """Bytes per second st uploads while it has parts in flight, once that says something."""
+        busy = st.busy_s
+        if st.busy_since is not None:
+            busy += trio.current_time() - st.busy_since
+        if st.done_bytes < RATE_SAMPLE_BYTES or busy <= 0:
+            return None
+        return st.done_bytes / busy
+
     def _stream_keeps_up(self, s: Staged) -> bool:
-        """Whether s streams with its upload no more than a few windows behind the writer. While
-        it does, background syncs are skipped: close() will likely finish the upload instead, and
-        staged bytes that were never written back need never reach the disk. Once it falls behind,
-        syncing resumes, so that a close() that has to sync finds little left to write."""
+        """Whether s streams with its upload no more than a few windows behind the writer, and
+        not known to be slower than the staging disk. While it does, background syncs are skipped:
+        close() will likely finish the upload instead, and staged bytes that were never written
+        back need never reach the disk. Once it falls behind, or its upload is found slower than
+        the disk (close() will then sync, see `_close_commits`), syncing resumes, so that a close()
+        that has to sync finds little left to write. Until a sync has measured the disk, the first
+        background sync is never skipped."""
         lag = self._stream_lag(s)
-        return lag is not None and lag <= STREAM_LAG_WINDOWS * self._stream_window
+        if lag is None or lag > STREAM_LAG_WINDOWS * self._stream_window or self._sync_rate is None:
+            return False
+        up = self._stream_rate(s.stream)
+        return up is None or up >= self._sync_rate
 
     def _close_commits(self, s: Staged) -> bool:
-        """Whether close() should finish s's stream rather than sync its staging file: when the
-        upload has less left to send than the sync would have to write, or no more than the parts
-        in flight hold. Uploading and writing to the local disk run at similar rates (both GB/s on a
-        training host), so this picks the sooner way to durable data."""
+        """Whether close() should finish s's stream rather than sync its staging file: whichever
+        is expected to make the data durable sooner, by the rates measured on this host (this
+        stream's upload since it began; recent syncs of the staging disk). On a training host both
+        run at GB/s; on a small machine one may be twice the other, in either direction. Until
+        both are measured, bytes stand in for time: the upload has less left to send than the
+        sync would have to write, or no more than the parts in flight hold."""
         lag = self._stream_lag(s)
-        return lag is not None and lag <= max(self._stream_window, s.unsynced)
+        if lag is None:
+            return False
+        up, disk = self._stream_rate(s.stream), self._sync_rate
+        if up is not None and disk is not None:
+            return lag / up <= CLOSE_UPLOAD_PREFERENCE * s.unsynced / disk
+        return lag <= max(self._stream_window, s.unsynced)
 
     async def _commit_in_place(self, s: Staged) -> bool:
         """Commit s's current content in the caller's time: True once it is in the store. On any
@@ -1397,6 +1449,8 @@ class Committer:
             n, off = st.next_part, st.next_off
             st.next_part += 1
             st.next_off += ps
+            if st.inflight == 0:
+                st.busy_since = trio.current_time()
             st.inflight += 1
             st.idle = trio.Event() if st.idle.is_set() else st.idle
             self.pin(s)  # the part is read from the file later, maybe after the last close
@@ -1439,6 +1493,9 @@ class Committer:
             st.inflight -= 1
             if st.inflight == 0:
                 st.idle.set()
+                if st.busy_since is not None:
+                    st.busy_s += trio.current_time() - st.busy_since
+                    st.busy_since = None
             self.unpin(s)
 
     async def _upload_part_retrying(self, store: AsyncStore, vol: Volume, st: Stream, n: int, data,
