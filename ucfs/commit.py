@@ -309,7 +309,7 @@ class Committer:
         self.cfg = cfg
         self.staging_dir = ensure_private_dir(state_dir / "staging")
         self.orphans_dir = state_dir / "orphans"
-        self.journal = Journal(state_dir / "journal.sqlite3")
+        self.journal = Journal(state_dir / "journal.sqlite3", staging_dir=self.staging_dir)
         self.workers = workers
         self.staged: dict[int, Staged] = {}  # by inode number
         self._queue: collections.OrderedDict[int, Staged] = collections.OrderedDict()
@@ -365,11 +365,12 @@ class Committer:
         self._collect_orphans(named)
         # Several rows for one path: only the one changed last (its close, or the rename that put it
         # there) holds the file's content; the others are versions it replaced. Replaying one of those
-        # would publish old bytes over newer ones, so they are dropped with their staging files.
+        # would publish old bytes over newer ones, so they are dropped with their staging files. "Last"
+        # is the rows' shared counter, not the clock (rows of journals older than it: by their times).
         latest: dict[tuple[str, str], Record] = {}
         for r in records:
             k = (r.volume, r.path)
-            if k not in latest or (r.updated, r.id) > (latest[k].updated, latest[k].id):
+            if k not in latest or (r.seq, r.updated, r.id) > (latest[k].seq, latest[k].updated, latest[k].id):
                 latest[k] = r
         for r in records:
             vol = self._volume(r.volume)
@@ -470,6 +471,7 @@ class Committer:
         self._check_space()
         path = self.staging_dir / f"{prefix}{uuid.uuid4().hex}.data"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self.journal.note_new_file(path.name)  # after: a sync that began before it cannot count
         return path, fd
 
     async def _staging_file(self) -> tuple[Path, int]:
@@ -495,6 +497,10 @@ class Committer:
         except OSError:
             if not made:
                 raise
+        # Their directory entries are made durable here, once for the batch, so that the close of a
+        # file that took one need not wait for a directory fsync (journal.py).
+        with contextlib.suppress(OSError):
+            self.journal.sync_staging_dir()
         return made
 
     async def _refill(self) -> None:
@@ -579,6 +585,7 @@ class Committer:
                 # Written again: until its next close, a crash must keep it as an orphan.
                 path = s.path.with_name(s.path.name[len(COMMITTED_PREFIX):])
                 await run_disk(os.rename, s.path, path)
+                self.journal.note_new_file(path.name)
                 s.path = path
             await self._keep_closed_version(s, truncate=truncate)
         except BaseException:
@@ -1230,6 +1237,7 @@ class Committer:
                 if s.writers or s.dirty:  # opened for writing meanwhile: not just readers any more
                     path = s.path.with_name(s.path.name[len(COMMITTED_PREFIX):])
                     await run_disk(os.rename, s.path, path)
+                    self.journal.note_new_file(path.name)
                     s.path = path
             except OSError as e:
                 log.debug("could not mark %s committed: %s", s.path, e)

@@ -7,6 +7,17 @@ once (after a crash the commit is simply repeated, which is harmless). A row rem
 file was unlinked or replaced is removed durably before the unlink returns: a crash must not bring a
 deleted file back, and publish it, at the next mount.
 
+A row that names a staging file is committed only once that file's directory entry is durable: on
+a file system without a journal of its own (ext4 without one, as on these hosts) a new file's entry
+is not made durable by the file's fdatasync, and a power loss would keep the row but lose the file.
+Names made since the staging directory was last fsynced are noted (`note_new_file`); a batch whose
+rows name one of them fsyncs the directory first, once for the whole batch. Most staging files are
+made ahead in batches whose directory fsync happens then (commit.Committer._new_spares), off the
+path of any close.
+
+Which of several rows for one path is the newest is said by `seq`, a counter the rows share, not by
+the wall clock: a clock stepped back between two closes must not make replay publish the older one.
+
 Writes are batched: whatever callers queue while a transaction is being written goes into the next
 one, so 64 files closed at once cost a few fsyncs, not 64. sqlite runs in one dedicated thread.
 """
@@ -14,6 +25,7 @@ one, so 64 files closed at once cost a few fsyncs, not 64. sqlite runs in one de
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 import time
 import uuid
@@ -41,6 +53,7 @@ CREATE TABLE IF NOT EXISTS pending (
     error TEXT NOT NULL DEFAULT '',
     created REAL NOT NULL,
     updated REAL NOT NULL
+    -- seq INTEGER: added by Journal._migrate (journals made before it lack the column)
 );
 -- Multipart uploads started and not yet completed or aborted: a restarted daemon aborts them, so a
 -- crash never leaves parts behind in the store. A row is written before the upload is created, with
@@ -66,16 +79,26 @@ class Record:
     error: str
     created: float
     updated: float  # the row's last change: its close, or a rename that moved it to `path`
+    seq: int = 0  # order of those changes among all rows (0: written before the column existed)
+
+
+# The next value of the rows' shared change counter, computed inside the writing transaction.
+_NEXT_SEQ = "(SELECT coalesce(max(seq), 0) + 1 FROM pending)"
 
 
 class Journal:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, *, staging_dir: Path | None = None):
         self.path = path
+        self.staging_dir = staging_dir  # fsynced before a batch whose rows name its new files commits
+        # Staging files made or renamed since its last fsync (added and taken from several threads:
+        # set operations are atomic under the GIL, and a name is only ever taken after a sync).
+        self._unsynced_names: set[str] = set()
         try:
             self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.executescript(SCHEMA)
+            self._migrate()
             self._db.execute("SELECT count(*) FROM pending").fetchone()
             check = self._db.execute("PRAGMA quick_check").fetchone()[0]
             if check != "ok":
@@ -87,14 +110,20 @@ class Journal:
                 f"directory that no journal names are then moved to {path.parent / 'orphans'} for you to "
                 "recover by hand.") from None
         self._limiter = trio.CapacityLimiter(1)  # sqlite in one thread at a time
-        self._queue: list[tuple[str, tuple, dict | None]] = []
+        # (sql, params, waiter, the staging file the statement names or None)
+        self._queue: list[tuple[str, tuple, dict | None, str | None]] = []
         self._wakeup = trio.Event()
         self._closed = False
+
+    def _migrate(self) -> None:
+        columns = {r[1] for r in self._db.execute("PRAGMA table_info(pending)")}
+        if "seq" not in columns:
+            self._db.execute("ALTER TABLE pending ADD COLUMN seq INTEGER NOT NULL DEFAULT 0")
 
     # -- reading (at mount, before serving) -------------------------------------------------------
     def records(self) -> list[Record]:
         rows = self._db.execute("SELECT id, volume, path, staging, size, state, attempts, error, "
-                                "created, updated FROM pending ORDER BY id").fetchall()
+                                "created, updated, seq FROM pending ORDER BY id").fetchall()
         return [Record(*r) for r in rows]
 
     def uploads(self) -> list[tuple[str, str, str, float]]:
@@ -119,18 +148,20 @@ class Journal:
                     await trio.to_thread.run_sync(self._write, batch, limiter=self._limiter)
                 except Exception as e:  # noqa: BLE001 - hand the failure to every waiter
                     log.error("commit journal write failed: %s", e)
-                    for _, _, waiter in batch:
+                    for _, _, waiter, _ in batch:
                         if waiter is not None:
                             waiter["error"] = e
-            for _, _, waiter in batch:
+            for _, _, waiter, _ in batch:
                 if waiter is not None:
                     waiter["done"].set()  # trio events are set here, in trio's thread
 
     def _write(self, batch) -> None:
+        if self._unsynced_names and any(name in self._unsynced_names for *_, name in batch):
+            self.sync_staging_dir()
         cur = self._db.cursor()
         cur.execute("BEGIN IMMEDIATE")
         try:
-            for sql, params, waiter in batch:
+            for sql, params, waiter, _ in batch:
                 cur.execute(sql, params)
                 if waiter is not None:
                     waiter["rowid"] = cur.lastrowid
@@ -139,13 +170,31 @@ class Journal:
             cur.execute("ROLLBACK")
             raise
 
-    def _enqueue(self, sql: str, params: tuple, waiter: dict | None) -> None:
-        self._queue.append((sql, params, waiter))
+    def note_new_file(self, name: str) -> None:
+        """A staging file was made or renamed to `name`: its entry is not durable until the next
+        `sync_staging_dir` (blocking callers make it in a thread; any thread may note it)."""
+        self._unsynced_names.add(name)
+
+    def sync_staging_dir(self) -> None:
+        """fsync the staging directory: every name noted before this call is durable after it
+        (blocking: a disk thread's or the journal thread's work; the files' data is their callers')."""
+        if self.staging_dir is None:
+            return
+        noted = set(self._unsynced_names)
+        fd = os.open(self.staging_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self._unsynced_names -= noted
+
+    def _enqueue(self, sql: str, params: tuple, waiter: dict | None, names_file: str | None = None) -> None:
+        self._queue.append((sql, params, waiter, names_file))
         self._wakeup.set()
 
-    async def _execute(self, sql: str, params: tuple) -> int:
+    async def _execute(self, sql: str, params: tuple, *, names_file: str | None = None) -> int:
         waiter = {"done": trio.Event()}
-        self._enqueue(sql, params, waiter)
+        self._enqueue(sql, params, waiter, names_file)
         await waiter["done"].wait()
         if "error" in waiter:
             raise OSError(5, f"commit journal write failed: {waiter['error']}")
@@ -154,19 +203,22 @@ class Journal:
     async def add(self, volume: str, path: str, staging: str, size: int) -> int:
         now = time.time()
         return await self._execute(
-            "INSERT INTO pending (volume, path, staging, size, state, created, updated) "
-            "VALUES (?, ?, ?, ?, 'ready', ?, ?)", (volume, path, staging, size, now, now))
+            "INSERT INTO pending (volume, path, staging, size, state, created, updated, seq) "
+            f"VALUES (?, ?, ?, ?, 'ready', ?, ?, {_NEXT_SEQ})", (volume, path, staging, size, now, now),
+            names_file=staging)
 
     async def mark_ready(self, rid: int, size: int, path: str, staging: str) -> None:
-        await self._execute("UPDATE pending SET size=?, path=?, staging=?, state='ready', error='', updated=? "
-                            "WHERE id=?", (size, path, staging, time.time(), rid))
+        await self._execute("UPDATE pending SET size=?, path=?, staging=?, state='ready', error='', updated=?, "
+                            f"seq={_NEXT_SEQ} WHERE id=?", (size, path, staging, time.time(), rid),
+                            names_file=staging)
 
     async def restage(self, rid: int, staging: str) -> None:
         """The row's content now lives in another staging file (commit.Committer.keep_closed_version)."""
-        await self._execute("UPDATE pending SET staging=? WHERE id=?", (staging, rid))
+        await self._execute("UPDATE pending SET staging=? WHERE id=?", (staging, rid), names_file=staging)
 
     async def rename(self, rid: int, path: str) -> None:
-        await self._execute("UPDATE pending SET path=?, updated=? WHERE id=?", (path, time.time(), rid))
+        await self._execute(f"UPDATE pending SET path=?, updated=?, seq={_NEXT_SEQ} WHERE id=?",
+                            (path, time.time(), rid))
 
     def note_attempt_nowait(self, rid: int, attempts: int, error: str, failed: bool) -> None:
         self._enqueue("UPDATE pending SET attempts=?, error=?, state=?, updated=? WHERE id=?",

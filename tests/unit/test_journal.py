@@ -1,0 +1,148 @@
+"""The commit journal (journal.py): which row of a path is the newest, and what must be on disk before a
+row is.
+
+A power loss cannot be staged here, so the directory-sync test watches the order of the two writes
+instead: the staging directory's fsync before the transaction that names its file.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+import trio
+
+from ucfs import journal as journal_mod
+from ucfs.journal import Journal
+from ucfs.store import MemoryStore
+
+from tests.support import open_core
+from tests.unit.test_close_commit import _cfg
+
+
+def _state(tmp_path):
+    cfg = _cfg(tmp_path)
+    staging = tmp_path / "state" / "staging"
+    staging.mkdir(mode=0o700)
+    return cfg, staging
+
+
+async def _rows(journal: Journal, rows):
+    async with trio.open_nursery() as n:
+        await n.start(journal.run)
+        for fn, *args in rows:
+            await fn(journal, *args)
+        await journal.close()
+
+
+def test_replay_publishes_the_row_changed_last_even_when_the_clock_went_back(tmp_path, monkeypatch):
+    """Two rows for one path (a close, then a newer version renamed over it, say): replay keeps the
+    one written last. With the wall clock stepped back by a minute between them, the older row has
+    the later time; replay must still publish the newer bytes, and drop the older staging file."""
+    cfg, staging = _state(tmp_path)
+    (staging / "old.data").write_bytes(b"old version")
+    (staging / "new.data").write_bytes(b"new version")
+    clock, real_time = [1_000_000.0, 1_000_000.0 - 60], journal_mod.time.time
+    monkeypatch.setattr(journal_mod.time, "time", lambda: clock.pop(0) if clock else real_time())
+    journal = Journal(tmp_path / "state" / "journal.sqlite3", staging_dir=staging)
+    trio.run(_rows, journal, [(Journal.add, "a.b.c", "f.bin", "old.data", 11),
+                              (Journal.add, "a.b.c", "f.bin", "new.data", 11)])
+    old, new = journal.records()
+    assert old.updated > new.updated and new.seq > old.seq  # the clock disagrees with the order
+    journal.close_db()
+    monkeypatch.undo()
+
+    store = MemoryStore()
+    store.buckets["bucket"] = {}
+
+    async def mount_again():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, cfg)
+            with trio.fail_after(10):
+                while committer.journal.records():
+                    await trio.sleep(0.01)
+            await committer.shutdown(drain=True)
+            n.cancel_scope.cancel()
+
+    trio.run(mount_again)
+    assert store.get("bucket", "pfx/f.bin")[0] == b"new version"
+    assert not (staging / "old.data").exists()
+
+
+def test_a_row_naming_a_new_staging_file_commits_only_after_the_directory_is_synced(tmp_path, monkeypatch):
+    """A row that names a staging file made since the staging directory's last fsync (a close's, a
+    kept version's) waits for an fsync of the directory in its batch. Rows naming files already
+    covered by one, and batches that only note attempts or remove rows, do not pay for another."""
+    _, staging = _state(tmp_path)
+    events: list[str] = []
+    journal = Journal(tmp_path / "state" / "journal.sqlite3", staging_dir=staging)
+    real_sync, real_write = journal.sync_staging_dir, journal._write
+    monkeypatch.setattr(journal, "sync_staging_dir", lambda: (events.append("dir fsync"), real_sync()))
+
+    def write(batch):
+        real_write(batch)
+        events.append("commit " + " ".join(sql.split()[0] for sql, *_ in batch))
+
+    monkeypatch.setattr(journal, "_write", write)
+
+    async def made(j: Journal, name: str):
+        (staging / name).write_bytes(b"x")
+        j.note_new_file(name)
+
+    async def note(j: Journal, rid: int):
+        j.note_attempt_nowait(rid, 1, "503", failed=False)
+        await j.rename(rid, "g.bin")  # waits for the batch the note went into
+
+    async def restage(j: Journal, rid: int, name: str):
+        await j.restage(rid, name)
+
+    async def remove(j: Journal, rid: int):
+        await j.remove(rid)
+
+    trio.run(_rows, journal, [(made, "a.data"), (Journal.add, "a.b.c", "f.bin", "a.data", 1), (note, 1),
+                              (Journal.mark_ready, 1, 1, "f.bin", "a.data"), (made, "b.data"),
+                              (restage, 1, "b.data"), (remove, 1)])
+    assert events == ["dir fsync", "commit INSERT", "commit UPDATE UPDATE", "commit UPDATE", "dir fsync",
+                      "commit UPDATE", "commit DELETE"]
+    journal.close_db()
+
+
+def test_staging_files_made_ahead_are_durable_before_they_are_handed_out(tmp_path, monkeypatch):
+    """Spare staging files are made in batches, and the staging directory is fsynced with each batch:
+    a close of a file that took a spare then needs no directory fsync of its own."""
+    store = MemoryStore()
+    store.buckets["bucket"] = {}
+    cfg = _cfg(tmp_path)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, cfg)
+            with trio.fail_after(10):
+                while not committer._spares:
+                    await trio.sleep(0.01)
+            assert not committer.journal._unsynced_names & {p.name for p, _ in committer._spares}
+            await committer.shutdown(drain=True)
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_journal_from_before_the_change_counter_opens_and_replays_by_time(tmp_path):
+    """A journal written by an older ucfs has no `seq` column: it is added, its rows read as seq 0,
+    and any row written from then on counts as newer than all of them."""
+    path = tmp_path / "journal.sqlite3"
+    db = sqlite3.connect(path)
+    db.executescript("""
+        CREATE TABLE pending (id INTEGER PRIMARY KEY, volume TEXT NOT NULL, path TEXT NOT NULL,
+            staging TEXT NOT NULL, size INTEGER NOT NULL, state TEXT NOT NULL,
+            attempts INTEGER NOT NULL DEFAULT 0, error TEXT NOT NULL DEFAULT '',
+            created REAL NOT NULL, updated REAL NOT NULL);
+        INSERT INTO pending (volume, path, staging, size, state, created, updated)
+            VALUES ('a.b.c', 'f.bin', 'old.data', 3, 'ready', 5.0, 5.0);
+    """)
+    db.commit()
+    db.close()
+    journal = Journal(path)
+    assert [(r.staging, r.seq) for r in journal.records()] == [("old.data", 0)]
+    trio.run(_rows, journal, [(Journal.add, "a.b.c", "f.bin", "new.data", 3)])
+    assert [(r.staging, r.seq) for r in journal.records()] == [("old.data", 0), ("new.data", 1)]
+    journal.close_db()
