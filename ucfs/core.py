@@ -137,6 +137,9 @@ class Core:
         # Reads spanning several fetches may come back in pieces (a tuple), which fs answers with
         # Passthrough.vector_reply: set by mount once that is in place.
         self.vectored_replies = False
+        # Tell the kernel to forget its dentry of (parent inode, name), so that the next path walk
+        # looks the name up again: set by mount (pyfuse3's invalidate_entry_async); None without FUSE.
+        self.invalidate_entry: Callable[[int, str], None] | None = None
         # What this mount changed itself, or last learned from a HEAD, and when (time.monotonic();
         # for a HEAD, when it was sent). A store answer obtained before that - a listing, probe or
         # HEAD still on its way when a commit, rename, create or unlink happened, or an opendir's
@@ -392,6 +395,8 @@ class Core:
         if (node is not None and node.kind is kind and seen_at is not None
                 and self._changed_since(node, seen_at)):
             return node
+        if node is not None and kind is Kind.FILE and node.kind is Kind.FILE and self._outlived(node, entry.etag):
+            self._supersede(node)  # add_child below makes the name's new inode
         node = self.inodes.add_child(parent, name, kind, parent.volume)
         if kind is Kind.FILE:
             node.size, node.etag, node.mtime_ns = entry.size, entry.etag, entry.mtime_ns
@@ -470,6 +475,9 @@ class Core:
                 self.inodes.detach(node)  # gone, or changed kind: a fresh lookup makes a new inode
                 continue
             if node.kind is Kind.FILE:
+                if self._outlived(node, entry.etag):
+                    self._supersede(node)  # the next lookup of the name makes its new inode
+                    continue
                 node.size, node.etag, node.mtime_ns = entry.size, entry.etag, entry.mtime_ns
             node.attr_expires = expires
 
@@ -582,6 +590,9 @@ class Core:
             raise
         if self._changed_since(node, started):
             return  # we changed it while the HEAD was on its way: what we know is newer
+        if self._outlived(node, info.etag):
+            self._supersede(node)
+            node = self.inodes.add_child(parent, node.name, Kind.FILE, node.volume)
         node.size, node.etag, node.mtime_ns = info.size, info.etag, info.mtime_ns
         node.attr_expires = time.monotonic() + self.cfg.metadata_ttl_s
         # What this HEAD said is newer than any listing or probe sent before it: those must not
@@ -594,6 +605,7 @@ class Core:
         node = self.node(ino)
         if node.kind.is_dir:
             raise errors.fs_error(errors.EISDIR)
+        self._refuse_superseded(node)
         accmode = flags & os.O_ACCMODE
         writable = accmode != os.O_RDONLY
         if writable or flags & os.O_TRUNC:
@@ -602,12 +614,14 @@ class Core:
                 raise errors.fs_error(errors.EROFS, "this mount is read-only")
             if node.staged is None and not node.attrs_fresh() and not node.deleted:
                 await self._revalidate(node)
+                self._refuse_superseded(node)
             staged = await self.committer.stage(node, truncate=bool(flags & os.O_TRUNC))
             return self._staged_handle(node, staged, writable), False
         if node.staged is not None:
             return self._staged_handle(node, node.staged, False), False
         if not node.attrs_fresh() and not node.deleted:
             await self._revalidate(node)
+            self._refuse_superseded(node)
             if node.staged is not None:
                 # Written meanwhile, maybe by a passthrough writer, beside whom the kernel would
                 # refuse this open in page-cache mode (EIO): read what is staged, as it would.
@@ -850,6 +864,7 @@ class Core:
         if size is not None:
             if node.kind.is_dir:
                 raise errors.fs_error(errors.EISDIR)
+            self._refuse_superseded(node)
             staged = node.staged or await self.committer.stage(node, truncate=size == 0)
             # truncate(1), or the kernel's O_TRUNC before an open, holds no handle: pin the staging
             # file so a commit finishing meanwhile cannot retire it under us.
@@ -915,6 +930,37 @@ class Core:
         """node's open handles that read its object from the store (not a staging file)."""
         return [h for h in self._handles.values()
                 if isinstance(h, FileHandle) and h.inode is node and h.staged is None and h.version is not None]
+
+    def _outlived(self, node: Inode, etag: str) -> bool:
+        """Whether the store's version `etag` of node's name replaces a version that handles open
+        here still read: then the name gets a new inode for the new version (`_supersede`)."""
+        return (node.staged is None and bool(node.etag) and etag != node.etag
+                and any(h.version.etag != etag for h in self._object_readers(node)))
+
+    def _supersede(self, node: Inode) -> None:
+        """A newer version of node's object was seen in the store while handles of node's own
+        version are open. The kernel keeps one size and one page cache per inode: had node taken
+        the new version's attributes, those handles would have been cut short at a smaller new
+        size (the kernel ends reads at an inode's size without asking us) or served pages of the
+        new version. So node stays as it is, for them, as a file replaced under its name does on a
+        local file system, and the name gets a new inode (the caller's next add_child): an open
+        through the old one is ESTALE, which makes the kernel look the name up again."""
+        parent = node.parent
+        assert parent is not None
+        self.inodes.detach(node)
+        node.deleted = node.superseded = True
+        self.stats["versions_superseded"] += 1
+        log.debug("%s: a newer version is in the store while %d handle(s) read inode %d; the name "
+                  "gets a new inode", node.mount_path(), len(self._object_readers(node)), node.ino)
+        if self.invalidate_entry is not None:
+            self.invalidate_entry(parent.ino, node.name)
+
+    @staticmethod
+    def _refuse_superseded(node: Inode) -> None:
+        if node.superseded:
+            # The kernel answers an open that fails so by looking the path up again and retrying
+            # once: that finds the name's new inode.
+            raise errors.fs_error(errors.ESTALE, "replaced in the store by a newer version")
 
     async def _follow_rename(self, node: Inode, new_key: str, new_etag: str) -> None:
         """node's object was copied to `new_key` and its old key is about to go: handles reading it

@@ -87,6 +87,9 @@ class Inode:
     hot_since: float = 0.0
     staged: Any = None  # files: local data not yet (or being) committed; see commit.py
     deleted: bool = False  # unlinked while open: still readable through its handles
+    # Replaced under its name by a newer version seen in the store while handles of its own version
+    # were open (core.Core._supersede): it lives on for those handles, with its version's attributes.
+    superseded: bool = False
     # Creates under way: the name exists here before its staging file does, and neither a listing
     # nor the store knows it yet; nothing may take the name away meanwhile (see Core.create).
     creating: int = 0

@@ -366,6 +366,10 @@ async def serve(catalog: Catalog, cfg: MountConfig, opts: MountOptions,
             max_read = allow_read_requests(cfg.kernel_readahead_kib * KiB,
                                            can_ask=core.passthrough.can_hook)
             pyfuse3.init(Operations(core), str(mountpoint), options)
+            # From a thread of pyfuse3's own: the kernel takes the directory's lock for it, which a
+            # request being answered may hold.
+            core.invalidate_entry = lambda parent_ino, name: pyfuse3.invalidate_entry_async(
+                parent_ino, os.fsencode(name), ignore_enoent=True)
             # Before main(), where the kernel's INIT is answered.
             core.passthrough.install(max_read)
             core.vectored_replies = core.passthrough.hooked

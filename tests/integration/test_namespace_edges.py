@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.support import keys, sync_dir
+from tests.support import keys, sync_dir, wait_until
 
 libc = ctypes.CDLL(None, use_errno=True)
 AT_FDCWD = -100
@@ -176,6 +176,44 @@ def test_an_old_handle_never_reads_the_newer_version_another_open_brought_in(mou
     finally:
         os.close(fd)
     assert p.read_bytes() == v2  # and once the old handle is gone, through the page cache again
+
+
+@pytest.mark.parametrize("seen_by", ["stat", "fstat", "listdir"])
+@pytest.mark.parametrize("new_size", [100 << 10, 12 << 20])
+def test_a_version_replaced_elsewhere_reads_on_whole_through_handles_open_on_it(mount, s3, bucket, prefix,
+                                                                               seen_by, new_size):
+    """A handle open on v1 when another writer replaces it goes on reading v1 whole, as a file
+    replaced under its name on a local file system does, and the name shows v2 within the TTL.
+    Before, the kernel took v2's size for the one inode both shared: after a smaller v2 it ended
+    the old handle's reads there, silently, without asking the daemon (a 4 MiB file read 1 MiB and
+    then EOF). However the change is noticed: a stat of the path, an fstat of the old handle, a
+    listing."""
+    key = f"{prefix}/vol/d/r.bin"
+    v1 = os.urandom(4 << 20)
+    v2 = os.urandom(new_size)
+    s3.put_object(Bucket=bucket, Key=key, Body=v1)
+    p = mount.path() / "d" / "r.bin"
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        assert os.pread(fd, len(v1), 0) == v1
+        ino = os.fstat(fd).st_ino
+        s3.put_object(Bucket=bucket, Key=key, Body=v2)
+        time.sleep(TTL)
+        if seen_by == "stat":
+            os.stat(p)
+        elif seen_by == "fstat":
+            assert os.fstat(fd).st_size == len(v1)  # the old handle's own file is v1
+        else:
+            assert "r.bin" in os.listdir(p.parent)
+        assert wait_until(lambda: os.stat(p).st_size == len(v2), timeout=2 * TTL), os.stat(p)
+        assert p.read_bytes() == v2
+        assert os.pread(fd, len(v1), 0) == v1  # its blocks are cached: all of v1, not cut at v2's size
+        assert os.fstat(fd).st_size == len(v1)
+        assert os.stat(p).st_ino != ino
+    finally:
+        os.close(fd)
+    assert p.read_bytes() == v2
+    assert mount.status()["core"]["versions_superseded"] == 1
 
 
 @pytest.mark.parametrize("op", ["unlink", "rename"])
