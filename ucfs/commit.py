@@ -321,6 +321,13 @@ class Committer:
         self._stream_window = (int(self._part_slots.total_tokens) + 1) * cfg.part_bytes
         # Bytes per second the staging disk took in recent syncs (None until one was measured).
         self._sync_rate: float | None = None
+        # Syncs in flight; since when (time.monotonic) one has been, what those synced, and whether
+        # one of them failed: syncs that overlap wait for each other's writes, so they are measured
+        # together (see `_sync`).
+        self._syncs_inflight = 0
+        self._sync_busy_since = 0.0
+        self._sync_busy_bytes = 0
+        self._sync_busy_failed = False
         self._retired: set[str] = set()
         self.stats: collections.Counter[str] = collections.Counter()
         self._shutting_down = False
@@ -863,15 +870,33 @@ class Committer:
             self.unpin(s)
 
     async def _sync(self, s: Staged, n: int) -> None:
-        """fdatasync s's staging file, n bytes of which were written since its last sync; a large
-        enough sync measures the staging disk's write rate (`_close_commits` weighs it)."""
-        t0 = time.monotonic()
-        await run_disk(os.fdatasync, s.fd)
-        dt = time.monotonic() - t0
-        if n >= RATE_SAMPLE_BYTES and dt > 0:
-            rate = n / dt
-            old = self._sync_rate
-            self._sync_rate = rate if old is None else old + SYNC_RATE_WEIGHT * (rate - old)
+        """fdatasync s's staging file, n bytes of which were written since its last sync; enough
+        bytes synced measure the staging disk's write rate (`_close_commits` weighs it).
+
+        Syncs that overlap are one sample: their bytes over the time from the first one's start to
+        the last one's end. A sync that starts while others write waits for them too (fdatasync
+        waits for pages already under writeback, and the disk is shared), so its own bytes over its
+        own time would make the disk look several times slower than it is."""
+        if self._syncs_inflight == 0:
+            self._sync_busy_since = time.monotonic()
+            self._sync_busy_bytes, self._sync_busy_failed = 0, False
+        self._syncs_inflight += 1
+        ok = False
+        try:
+            await run_disk(os.fdatasync, s.fd)
+            ok = True
+        finally:
+            self._syncs_inflight -= 1
+            if ok:
+                self._sync_busy_bytes += n
+            else:
+                self._sync_busy_failed = True  # its time counted, its bytes may not be on the disk
+            if self._syncs_inflight == 0:
+                dt = time.monotonic() - self._sync_busy_since
+                if self._sync_busy_bytes >= RATE_SAMPLE_BYTES and dt > 0 and not self._sync_busy_failed:
+                    rate = self._sync_busy_bytes / dt
+                    old = self._sync_rate
+                    self._sync_rate = rate if old is None else old + SYNC_RATE_WEIGHT * (rate - old)
 
     def pin(self, s: Staged) -> None:
         """Keep s's staging file while work without a handle of its own uses it (see `handles`)."""

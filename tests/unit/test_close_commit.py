@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 import trio
@@ -164,6 +165,68 @@ def test_close_picks_by_measured_rates_whichever_makes_the_data_durable_sooner(t
             with trio.fail_after(30):
                 while _stored(store, "r.bin") != data or committer.journal.records():
                     await trio.sleep(0.01)
+            await committer.shutdown(drain=True)
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+class FakeDisk:
+    """A staging disk that writes `rate` bytes per second, one sync at a time, as fdatasync does on
+    Linux: a sync writes what was dirty when it began, after whatever the syncs before it write.
+    Install with monkeypatch.setattr(os, "fdatasync", disk.fdatasync)."""
+
+    def __init__(self, rate: float):
+        self.rate = rate
+        self.lock = threading.Lock()
+        self.synced: dict[tuple[int, int], int] = {}  # (dev, inode) -> bytes on the disk
+        self.stalls: list[float] = []  # extra seconds for the next syncs, one each (a hiccup)
+        self.busy = 0  # syncs in flight
+
+    def fdatasync(self, fd: int) -> None:
+        st = os.fstat(fd)
+        ident, target = (st.st_dev, st.st_ino), st.st_size
+        self.busy += 1
+        try:
+            with self.lock:
+                dirty = max(0, target - self.synced.get(ident, 0))
+                stall = self.stalls.pop(0) if self.stalls else 0.0
+                time.sleep(dirty / self.rate + stall)
+                self.synced[ident] = max(self.synced.get(ident, 0), target)
+        finally:
+            self.busy -= 1
+
+    async def idle(self) -> None:
+        """Wait until no sync is in flight, and the tasks that waited for them have run."""
+        with trio.fail_after(30):
+            while self.busy:
+                await trio.sleep(0.01)
+        await trio.sleep(0.05)
+
+
+def test_syncs_that_overlap_measure_the_disk_together_not_each_its_own_bytes_over_its_wait(tmp_path, monkeypatch):
+    """A writer faster than the staging disk has several background syncs in flight at once, each
+    waiting for the ones before it. Each one's bytes over its own wait said the disk was several
+    times slower than it is (the k-th sync, about 1/k of it); a disk thought slow makes close() wait
+    for uploads slower than the disk, and skips the syncs that would correct it. Overlapping syncs
+    are one sample: their bytes over the time any of them was in flight."""
+    monkeypatch.setattr(commit_mod, "STREAM_START_BYTES", 1 << 40)  # no stream: syncs only
+    monkeypatch.setattr(commit_mod, "BACKGROUND_SYNC_BYTES", 4 * MiB)
+    monkeypatch.setattr(commit_mod, "RATE_SAMPLE_BYTES", 2 * MiB)
+    disk = FakeDisk(32 * MiB)
+    monkeypatch.setattr(os, "fdatasync", disk.fdatasync)
+    store = GatedStore()
+    data = os.urandom(32 * MiB)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, _cfg(tmp_path))
+            fh = await _write(core, vol, "f.bin", data)  # much faster than 32 MiB/s
+            await core.flush(fh)
+            await disk.idle()
+            rate = committer._sync_rate
+            assert rate is not None and 0.6 * disk.rate < rate < 1.5 * disk.rate, rate / MiB
+            await core.release(fh)
             await committer.shutdown(drain=True)
             n.cancel_scope.cancel()
 
