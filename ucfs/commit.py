@@ -78,6 +78,11 @@ STREAM_LAG_WINDOWS = 4
 RATE_SAMPLE_BYTES = 16 * MiB
 # Weight of the newest sample in the staging disk's measured write rate.
 SYNC_RATE_WEIGHT = 0.3
+# The staging disk's measured rate is gone by for this long after its last sample; then it counts as
+# not measured (the next stream's first background sync is not skipped), and the next sample
+# replaces it. A disk thought slower than an upload is never synced by a stream that keeps up, so
+# without this one slow sample would decide every close() for as long as the daemon runs.
+SYNC_RATE_MAX_AGE_S = 60.0
 # close() finishes a stream unless syncing is expected to be more than this many times sooner: a
 # finished upload leaves nothing behind (no journal row, no upload to come, a staging file that never
 # reaches the disk), while after a sync the whole upload is still to do.
@@ -321,6 +326,7 @@ class Committer:
         self._stream_window = (int(self._part_slots.total_tokens) + 1) * cfg.part_bytes
         # Bytes per second the staging disk took in recent syncs (None until one was measured).
         self._sync_rate: float | None = None
+        self._sync_rate_at = 0.0  # when it was last measured (time.monotonic)
         # Syncs in flight; since when (time.monotonic) one has been, what those synced, and whether
         # one of them failed: syncs that overlap wait for each other's writes, so they are measured
         # together (see `_sync`).
@@ -895,8 +901,15 @@ class Committer:
                 dt = time.monotonic() - self._sync_busy_since
                 if self._sync_busy_bytes >= RATE_SAMPLE_BYTES and dt > 0 and not self._sync_busy_failed:
                     rate = self._sync_busy_bytes / dt
-                    old = self._sync_rate
+                    old = self._disk_rate()
                     self._sync_rate = rate if old is None else old + SYNC_RATE_WEIGHT * (rate - old)
+                    self._sync_rate_at = time.monotonic()
+
+    def _disk_rate(self) -> float | None:
+        """The staging disk's write rate measured by recent syncs (None if none is recent)."""
+        if self._sync_rate is None or time.monotonic() - self._sync_rate_at > SYNC_RATE_MAX_AGE_S:
+            return None
+        return self._sync_rate
 
     def pin(self, s: Staged) -> None:
         """Keep s's staging file while work without a handle of its own uses it (see `handles`)."""
@@ -1072,10 +1085,11 @@ class Committer:
         that has to sync finds little left to write. Until a sync has measured the disk, the first
         background sync is never skipped."""
         lag = self._stream_lag(s)
-        if lag is None or lag > STREAM_LAG_WINDOWS * self._stream_window or self._sync_rate is None:
+        disk = self._disk_rate()
+        if lag is None or lag > STREAM_LAG_WINDOWS * self._stream_window or disk is None:
             return False
         up = self._stream_rate(s.stream)
-        return up is None or up >= self._sync_rate
+        return up is None or up >= disk
 
     def _close_commits(self, s: Staged) -> bool:
         """Whether close() should finish s's stream rather than sync its staging file: whichever
@@ -1087,7 +1101,7 @@ class Committer:
         lag = self._stream_lag(s)
         if lag is None:
             return False
-        up, disk = self._stream_rate(s.stream), self._sync_rate
+        up, disk = self._stream_rate(s.stream), self._disk_rate()
         if up is not None and disk is not None:
             return lag / up <= CLOSE_UPLOAD_PREFERENCE * s.unsynced / disk
         return lag <= max(self._stream_window, s.unsynced)

@@ -147,6 +147,7 @@ def test_close_picks_by_measured_rates_whichever_makes_the_data_durable_sooner(t
             core, committer, vol = await open_core(tmp_path, store, n, _cfg(tmp_path))
             # As measured by earlier syncs: the disk takes 1 TB/s, or 1 byte/s.
             committer._sync_rate = 1e12 if disk == "faster" else 1.0
+            committer._sync_rate_at = time.monotonic()
             fh = await _write(core, vol, "r.bin", data)
             staged = core.file_handle(fh).staged
             with trio.fail_after(30):
@@ -227,6 +228,67 @@ def test_syncs_that_overlap_measure_the_disk_together_not_each_its_own_bytes_ove
             rate = committer._sync_rate
             assert rate is not None and 0.6 * disk.rate < rate < 1.5 * disk.rate, rate / MiB
             await core.release(fh)
+            await committer.shutdown(drain=True)
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_disk_rate_measured_low_once_is_measured_again_and_close_stops_waiting_for_slow_uploads(
+        tmp_path, monkeypatch):
+    """One slow sync (a hiccup of the disk) made the staging disk look slower than an upload that is
+    in fact much slower than the disk. From then on every stream was thought to keep up: its
+    background syncs were skipped and its close() finished the upload instead of syncing, so no sync
+    ever measured the disk again, and close() waited for uploads slower than the disk for as long as
+    the daemon ran. An estimate that is not recent any more is measured again."""
+    monkeypatch.setattr(commit_mod, "STREAM_START_BYTES", 2 * MiB)
+    monkeypatch.setattr(commit_mod, "BACKGROUND_SYNC_BYTES", 4 * MiB)
+    monkeypatch.setattr(commit_mod, "RATE_SAMPLE_BYTES", 2 * MiB)
+    monkeypatch.setattr(commit_mod, "SYNC_RATE_MAX_AGE_S", 0.3, raising=False)  # 60 s in a daemon
+    disk = FakeDisk(256 * MiB)
+    disk.stalls = [1.5]  # the very first sync stalls
+    monkeypatch.setattr(os, "fdatasync", disk.fdatasync)
+    store = SlowPartStore()
+    store.delay = 0.2  # 16 parts of 1 MiB in flight: some 40 MiB/s, far below the disk
+    data = os.urandom(24 * MiB)
+
+    async def write_measured(core, committer, vol, name):
+        # Half the file, until its upload has a measured rate, then the rest: the second half's
+        # background syncs, and the close, are decided by both rates.
+        fh = await _write(core, vol, name, data[:12 * MiB])
+        staged = core.file_handle(fh).staged
+        with trio.fail_after(30):
+            while committer._stream_rate(staged.stream) is None:
+                await trio.sleep(0.01)
+        for off in range(12 * MiB, len(data), MiB):
+            await core.write(fh, off, data[off:off + MiB])
+        return fh
+
+    async def main():
+        async with trio.open_nursery() as n:
+            cfg = _cfg(tmp_path)
+            cfg = MountConfig(cache_dir=cfg.cache_dir, part_bytes=MiB, store_concurrency=64)
+            core, committer, vol = await open_core(tmp_path, store, n, cfg)
+            fh = await write_measured(core, committer, vol, "hiccup.bin")
+            await core.flush(fh)
+            await core.release(fh)
+            await disk.idle()
+            assert committer._sync_rate < 20 * MiB  # the hiccup: the disk looks slower than the upload
+            at_close = []
+            for i in range(3):
+                await trio.sleep(0.5)  # time passes between files, as between checkpoints
+                fh = await write_measured(core, committer, vol, f"f{i}.bin")
+                before = committer.statistics().get("committed_at_close", 0)
+                await core.flush(fh)
+                at_close.append(committer.statistics().get("committed_at_close", 0) - before)
+                await core.release(fh)
+                await disk.idle()
+            # The upload is slower than the disk: close() syncs instead of waiting for it.
+            assert at_close[-1] == 0, at_close
+            assert committer._sync_rate > 128 * MiB, committer._sync_rate / MiB
+            with trio.fail_after(60):
+                while any(_stored(store, f"f{i}.bin") != data for i in range(3)):
+                    await trio.sleep(0.05)
             await committer.shutdown(drain=True)
             n.cancel_scope.cancel()
 
