@@ -40,13 +40,20 @@ def resolve_mountpoint(path: str | os.PathLike) -> Path:
     waits for ever when that daemon is hung (or is the caller), and fails on a dead one."""
     p = os.path.abspath(path)
     for _ in range(40):  # the kernel's own limit on links followed (ELOOP)
+        p = p.rstrip("/") or "/"
         parent, name = os.path.split(p)
+        if name in ("", ".", ".."):
+            # A link's target that ends so names a directory above others; realpath takes ".." from
+            # the directory reached so far, without a stat of the one it ends at.
+            return Path(os.path.realpath(p))
         p = os.path.join(os.path.realpath(parent), name)
         try:
             target = os.readlink(p)
         except OSError:  # not a link (or not there yet: it may be made)
             break
-        p = os.path.normpath(os.path.join(os.path.dirname(p), target))
+        # Not normpath: in "a/../m", ".." is the parent of a's target when a is a link, not the
+        # directory a is in. The next turn's realpath of the directories takes it so, as the kernel.
+        p = os.path.join(os.path.dirname(p), target)
     return Path(p)
 
 

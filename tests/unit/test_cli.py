@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 
@@ -76,3 +77,20 @@ def test_a_mountpoint_is_named_with_its_links_resolved(tmp_path, monkeypatch):
     assert resolve_mountpoint(tmp_path / "dangling") == tmp_path / "not-yet"
     monkeypatch.chdir(tmp_path)
     assert resolve_mountpoint("link/") == real
+
+
+def test_a_mountpoint_link_whose_target_goes_up_from_a_link_is_resolved_as_the_kernel_does(tmp_path):
+    """A link's target was joined with `..` taken away by the letter (normpath): for `a/../m` with
+    `a` itself a link, that names the wrong directory, and `ucfs mount` made and mounted it there
+    instead of where the link points, while status and unmount by the link's name found nothing."""
+    from ucfs.config import resolve_mountpoint
+
+    (tmp_path / "elsewhere" / "sub").mkdir(parents=True)
+    (tmp_path / "elsewhere" / "m").mkdir()
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a").symlink_to(tmp_path / "elsewhere" / "sub")
+    (tmp_path / "d" / "link").symlink_to("a/../m")  # the kernel: elsewhere/sub/.. /m
+    assert os.path.realpath(tmp_path / "d" / "link") == str(tmp_path / "elsewhere" / "m")
+    assert resolve_mountpoint(tmp_path / "d" / "link") == tmp_path / "elsewhere" / "m"
+    (tmp_path / "d" / "up").symlink_to("a/..")  # a link to a directory above a link's target
+    assert resolve_mountpoint(tmp_path / "d" / "up") == tmp_path / "elsewhere"
