@@ -291,6 +291,9 @@ def read_status(mountpoint: str) -> dict:
         return query(mountpoint, "status")
     except NoDaemonError:
         if _is_dead_mount(mountpoint):
+            if mountpoint not in _ucfs_mounts():  # another file system's: ucfs unmount refuses it
+                raise NoDaemonError(f"{mountpoint} is a dead FUSE mount, not of ucfs (its daemon has "
+                                    f"exited); clear it with: fusermount3 -u -z {mountpoint}") from None
             raise NoDaemonError(f"{mountpoint} is a dead ucfs mount (its daemon has exited); clear it "
                                 f"with: ucfs unmount {mountpoint}") from None
         raise

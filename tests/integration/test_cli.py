@@ -168,3 +168,32 @@ def test_ctrl_c_during_the_bucket_check_stops_the_mount_at_once(mount_factory, s
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_status_of_another_file_systems_dead_mount_does_not_call_it_ucfs(mount_factory):
+    """It said "a dead ucfs mount; clear it with: ucfs unmount", and ucfs unmount then refused it as
+    not a ucfs mount. Another FUSE file system's dead mount is named so, with the command that clears it."""
+    m = mount_factory(start=False)
+    mnt = m.root / "other"
+    mnt.mkdir(parents=True)
+    other = subprocess.Popen([sys.executable, "-c", (
+        "import sys, pyfuse3, trio\n"
+        "pyfuse3.init(pyfuse3.Operations(), sys.argv[1], {'fsname=otherfs', 'subtype=otherfs'})\n"
+        "trio.run(pyfuse3.main)\n"), str(mnt)])
+    try:
+        # (os.path.ismount would stat it, which this file system does not answer)
+        assert wait_until(lambda: f" {mnt} fuse.otherfs " in open("/proc/self/mounts").read(), 30)
+        other.send_signal(signal.SIGKILL)
+        other.wait(timeout=30)
+        with pytest.raises(OSError) as e:
+            os.statvfs(mnt)
+        assert e.value.errno == errno.ENOTCONN
+        st = ucfs(m, "status", str(mnt))
+        assert st.returncode == 1 and "Traceback" not in st.stderr, st.stderr
+        assert "ucfs mount" not in st.stderr and "ucfs unmount" not in st.stderr, st.stderr
+        assert f"fusermount3 -u -z {mnt}" in st.stderr, st.stderr
+    finally:
+        if other.poll() is None:
+            other.kill()
+            other.wait()
+        subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
