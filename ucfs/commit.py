@@ -244,6 +244,11 @@ class Staged:
     size: int
     mtime_ns: int
     rid: int | None = None  # journal row, once the file has been closed with changes
+    # The size the row recorded at its close. While the row names this staging file (`_closed_here`),
+    # its bytes below this are that closed version: a writer still open (one that opened before the
+    # close) may append past it at no cost, and a replay publishes only these bytes; a write or
+    # truncate below it first moves the closed version aside (`_keep_below_closed`).
+    closed_size: int = 0
     generation: int = 0  # bumped by every change
     flushed_generation: int = -1  # latest generation made durable by close()/fsync
     committed_generation: int = -1  # latest generation known to be in the store
@@ -402,15 +407,31 @@ class Committer:
             node = self.core.materialize(vol, r.path)
             fd = os.open(staging, os.O_RDWR)
             st = os.fstat(fd)
-            s = Staged(node, vol, staging, fd, st.st_size, st.st_mtime_ns, rid=r.id, generation=1,
-                       flushed_generation=1, attempts=r.attempts, appends_only=False, replayed=True,
-                       created_at=r.created)
+            if st.st_size > r.size:
+                self._cut_unclosed(staging, fd, r.size)
+                st = os.fstat(fd)
+            s = Staged(node, vol, staging, fd, st.st_size, st.st_mtime_ns, rid=r.id, closed_size=st.st_size,
+                       generation=1, flushed_generation=1, attempts=r.attempts, appends_only=False,
+                       replayed=True, created_at=r.created)
             node.staged = s
             self.staged[node.ino] = s
             self._enqueue(s)
             self.stats["replayed"] += 1
         if records:
             log.info("replaying %d pending commit(s) from the journal", len(records))
+
+    def _cut_unclosed(self, staging: Path, fd: int, size: int) -> None:
+        """A journaled staging file longer than its row says: a writer that had it open when the
+        recorded close happened appended to it and never closed. Only the closed bytes are published;
+        the whole file is kept in orphans/ for the user, as a file never closed is."""
+        self.orphans_dir.mkdir(mode=0o700, exist_ok=True)
+        dest = self.orphans_dir / staging.name
+        if dest.exists():
+            dest = dest.with_name(f"{uuid.uuid4().hex}-{staging.name}")
+        shutil.copyfile(staging, dest)
+        os.ftruncate(fd, size)
+        log.warning("staging file %s was written past its last close (%d bytes) before the daemon stopped; "
+                    "that close's version is committed, and the whole file kept as %s", staging.name, size, dest)
 
     def _collect_orphans(self, named: set[str]) -> None:
         """Staging files no journal row names (written but never closed before a crash): keep them
@@ -613,7 +634,7 @@ class Committer:
                 return  # nothing closed waits, or its version is kept already
             path, fd = await self._staging_file()
             if truncate and s.handles == 1 and not s.commit_lock.locked():  # only our pin
-                kept = _Kept(s.path, s.fd, s.size, s.mtime_ns, s.flushed_generation)
+                kept = _Kept(s.path, s.fd, s.closed_size, s.mtime_ns, s.flushed_generation)
                 if s.backing_id is not None:
                     self.core.passthrough.close_backing(s.backing_id)  # bound to the kept file
                     s.backing_id = None
@@ -624,16 +645,33 @@ class Committer:
             else:
                 try:
                     async with s.lock:
-                        await run_disk(_copy_file, s.fd, fd, s.size)
+                        # Only what the close covered: a writer still open may have appended since.
+                        await run_disk(_copy_file, s.fd, fd, s.closed_size)
                 except BaseException:
                     await run_disk(_close_and_remove, fd, path)
                     raise
-                kept = _Kept(path, fd, s.size, s.mtime_ns, s.flushed_generation)
+                kept = _Kept(path, fd, s.closed_size, s.mtime_ns, s.flushed_generation)
             await self.journal.restage(s.rid, kept.path.name)
             s.kept = kept
             self.stats["closed_versions_kept"] += 1
             log.debug("%s is written again before its last close was committed; that version is "
                      "kept aside until then", s.node.mount_path())
+
+    @staticmethod
+    def _closed_here(s: Staged) -> bool:
+        """Whether s's journal row names its own staging file for a closed version that is not in
+        the store yet: the bytes below `s.closed_size` must then stay as that close left them."""
+        return (s.rid is not None and s.kept is None and not s.dropped
+                and s.flushed_generation > s.committed_generation)
+
+    async def _keep_below_closed(self, s: Staged, off: int) -> None:
+        """A write or truncate at `off` by a handle that was open before the last close (or a dup
+        of the closing one): if it would change the closed version the journal row names, move that
+        version aside first (`keep_closed_version`). Appends past it cost nothing: a replay cuts the
+        staging file back to the recorded size. So several processes appending to one log pay no
+        copy; only a change below the closed end does, once per close."""
+        if off < s.closed_size and self._closed_here(s):
+            await self.keep_closed_version(s, truncate=False)
 
     def _end_kept(self, s: Staged) -> None:
         """s's kept version is in the store, or a newer version is, or the file is gone: remove it
@@ -716,6 +754,7 @@ class Committer:
         if s.unchecked >= SPACE_CHECK_BYTES:
             s.unchecked = 0
             await run_disk(self._check_space)
+        await self._keep_below_closed(s, off)
         async with s.lock:
             appending = off == s.size
             try:
@@ -922,6 +961,7 @@ class Committer:
     async def truncate(self, s: Staged, size: int) -> None:
         if size > MAX_OBJECT_BYTES:  # as in write(): the store could never hold it
             raise errors.fs_error(errors.EFBIG, "larger than the store's largest object (5 TiB)")
+        await self._keep_below_closed(s, size)
         async with s.lock:
             if s.pt_writers:
                 self.observe(s)
@@ -974,7 +1014,7 @@ class Committer:
             await self._take_unseen_writes(s)
         async with s.flush_lock:
             if s.generation > s.flushed_generation and s.dirty and not s.dropped:
-                gen = s.generation
+                gen, size = s.generation, s.size  # the version this close covers (the sync's)
                 if self._close_commits(s) and await self._commit_in_place(s):
                     s.flushed_generation = max(s.flushed_generation, gen)
                     self.stats["committed_at_close"] += 1
@@ -985,13 +1025,15 @@ class Committer:
                 if s.rid is None:
                     s.row_pending = True
                     try:
-                        s.rid = await self.journal.add(s.volume.full_name, path, s.path.name, s.size)
+                        s.rid = await self.journal.add(s.volume.full_name, path, s.path.name, size)
                     finally:
                         s.row_pending = False
+                    s.closed_size = size
                     if s.kept is not None:
                         self._supersede_kept(s)  # this close is newer, and its row names it
                 else:
-                    await self.journal.mark_ready(s.rid, s.size, path, s.path.name)
+                    await self.journal.mark_ready(s.rid, size, path, s.path.name)
+                    s.closed_size = size
                     if s.kept is not None:
                         self._supersede_kept(s)  # this close is newer: the row names it now
                 # While the row was written, the file may have been renamed or unlinked, and that
@@ -1008,6 +1050,11 @@ class Committer:
                     s.error = None  # new data: try again
                 if s.writers == 0:
                     self._enqueue(s)
+        if s.pt_writers > (1 if unseen else 0):
+            # Other passthrough writers hold it open, and what they write we do not see: the closed
+            # version cannot be kept only when they write below its end (`_keep_below_closed`), so
+            # it is kept aside now, a copy of the staging file as this close left it.
+            await self.keep_closed_version(s, truncate=False)
         if s.error is not None:
             raise s.error
 
@@ -1725,6 +1772,7 @@ class Committer:
                 # A close writing the first row names the file anew once it is written (flush):
                 # a second row now would have the file committed twice after a crash.
                 if not s.row_pending:
+                    s.closed_size = s.size
                     s.rid = await self.journal.add(s.volume.full_name, path, s.path.name, s.size)
             else:
                 await self.journal.rename(s.rid, path)

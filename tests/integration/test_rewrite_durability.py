@@ -176,3 +176,63 @@ def test_renaming_a_committed_file_while_a_writer_changes_it_keeps_the_closed_ve
     sync_dir(m.path())
     assert keys(s3, bucket, f"{prefix}/vol/") == [f"{prefix}/vol/g.bin"]
     assert obj(s3, bucket, f"{prefix}/vol/g.bin") == V1
+
+
+@pytest.mark.parametrize("how", ["append", "overwrite", "truncate", "append-reopen"])
+@pytest.mark.parametrize("pt", [(), ("--no-passthrough",)], ids=["passthrough", "no-passthrough"])
+def test_a_crash_after_one_of_two_writers_closed_publishes_only_what_that_close_covered(mount_factory, s3, bucket,
+                                                                                       prefix, how, pt):
+    """B opens the file before A closes it; A's close makes its version durable and journaled, and B
+    goes on writing without closing. A crash then must publish A's version, never B's unclosed bytes
+    (before, the journal row named the one staging file B was still changing)."""
+    m = mount_factory(args=pt)
+    v = m.path()
+    fa = os.open(v / "log.txt", os.O_CREAT | os.O_WRONLY, 0o644)
+    fb = os.open(v / "log.txt", os.O_WRONLY | (os.O_APPEND if how.startswith("append") else 0))
+    fc = None
+    try:
+        os.write(fa, V1)
+        os.close(fa)  # A's close: V1 is promised
+        if how.startswith("append"):
+            os.write(fb, b"UNCLOSED")
+            if pt == ("--no-passthrough",):
+                assert m.status()["commits"].get("closed_versions_kept", 0) == 0  # appends copy nothing
+            if how == "append-reopen":
+                fc = os.open(v / "log.txt", os.O_WRONLY | os.O_APPEND)  # keeps A's version, not B's bytes
+        elif how == "overwrite":
+            os.pwrite(fb, b"UNCLOSED", 1000)
+        else:
+            os.ftruncate(fb, 1000)
+            os.pwrite(fb, b"UNCLOSED", 1000)
+        time.sleep(0.5)
+        m.kill()
+    finally:
+        for fd in (fb, fc):
+            with contextlib.suppress(OSError, TypeError):
+                os.close(fd)
+    m.start()
+    assert (m.path() / "log.txt").read_bytes() == V1
+    sync_dir(m.path())
+    got = obj(s3, bucket, f"{prefix}/vol/log.txt")
+    assert got == V1, (len(got), got[995:1010])
+    # B's unclosed bytes are kept aside for the user, not lost and not published.
+    kept = [p.read_bytes() for p in (m.state_dir / "orphans").iterdir()]
+    assert any(b"UNCLOSED" in k for k in kept)
+
+
+@pytest.mark.parametrize("pt", [(), ("--no-passthrough",)], ids=["passthrough", "no-passthrough"])
+def test_with_no_crash_the_other_writers_close_supersedes(mount_factory, s3, bucket, prefix, pt):
+    """A closes while B still writes: the file is committed as B's close left it."""
+    m = mount_factory(args=pt)
+    v = m.path()
+    fa = os.open(v / "log.txt", os.O_CREAT | os.O_WRONLY, 0o644)
+    fb = os.open(v / "log.txt", os.O_WRONLY)
+    os.write(fa, V1)
+    os.close(fa)
+    os.pwrite(fb, b"B-LINE", len(V1))
+    os.pwrite(fb, b"B-EDIT", 10)
+    os.close(fb)
+    sync_dir(v)
+    want = V1[:10] + b"B-EDIT" + V1[16:] + b"B-LINE"
+    assert obj(s3, bucket, f"{prefix}/vol/log.txt") == want
+    assert (v / "log.txt").read_bytes() == want
