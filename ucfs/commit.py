@@ -265,6 +265,9 @@ class Staged:
     # A rename or unlink waits for the commit lock: the commit holding it gives up at its next part
     # (and is queued again) rather than finish an upload under a name that is going away.
     abandon: bool = False
+    # A stand-in committing this file's kept version (`Committer._commit_kept`) gives up when the
+    # file itself is asked to (`giving_up`).
+    kept_of: "Staged | None" = None
     row_pending: bool = False  # a close is writing the file's first journal row (flush)
     # Taken up from the journal at mount: its inode was made without asking the store, so an
     # older object may be under its key that unlink/rename must still delete.
@@ -303,6 +306,11 @@ class Staged:
     # and added one each, and the row whose id was overwritten outlived every commit.
     flush_lock: trio.Lock = field(default_factory=trio.Lock)
     progress: trio.Event = field(default_factory=trio.Event)  # set (and replaced) on commit or failure
+
+    @property
+    def giving_up(self) -> bool:
+        """Whether the commit holding the lock is asked to stop at its next part (`abandon`)."""
+        return self.abandon or (self.kept_of is not None and self.kept_of.abandon)
 
     @property
     def dirty(self) -> bool:
@@ -712,7 +720,8 @@ class Committer:
         kept = s.kept
         shadow = Staged(s.node, s.volume, kept.path, kept.fd, kept.size, kept.mtime_ns,
                         generation=kept.generation, flushed_generation=kept.generation,
-                        pt_written=True)  # the kernel's pages hold the new writes, not this
+                        pt_written=True,  # the kernel's pages hold the new writes, not this
+                        kept_of=s)  # a rename or unlink of s stops this commit too
         await self._commit(shadow)
         s.committed_generation = max(s.committed_generation, kept.generation)
         s.attempts = 0
@@ -1361,7 +1370,7 @@ class Committer:
         gen = s.generation  # a change from here on ends the caching (_part_data: _Changed)
         off = 0
         try:
-            while off < s.size and not s.abandon:  # optional work: a rename or unlink goes first
+            while off < s.size and not s.giving_up:  # optional work: a rename or unlink goes first
                 n = min(P, s.size - off)
                 async with self._caching, self._part_data(s, None, off, n, gen, in_memory=True) as data:
                     if len(data) != n:
@@ -1444,7 +1453,7 @@ class Committer:
 
             async def one(n: int, off: int, length: int) -> None:
                 async with sem, self._part_slots:
-                    if s.abandon:
+                    if s.giving_up:
                         raise _Changed("renamed or unlinked while its parts were uploaded")
                     async with self._part_data(s, store, off, length, gen) as data:
                         parts[n] = await store.upload_part(vol.bucket, key, upload_id, n, data, length)
@@ -1458,7 +1467,7 @@ class Committer:
             async with s.lock:
                 if s.generation != gen:
                     raise _Changed("written while its parts were uploaded")
-            if s.abandon:
+            if s.giving_up:
                 raise _Changed("renamed or unlinked while its parts were uploaded")
             info = await store.complete_multipart(vol.bucket, key, upload_id, sorted(parts.items()))
             self.journal.remove_upload_nowait(upload_id)
@@ -1691,7 +1700,7 @@ class Committer:
                                else "its stream was abandoned")
             if st.verify:
                 await self._verify_stream(s, st, store)
-            if s.abandon:
+            if s.giving_up:
                 raise _Changed("renamed or unlinked while its stream was finished")
             if tail > 0:
                 st.parts[st.next_part] = await store.upload_part(vol.bucket, st.key, st.upload_id,

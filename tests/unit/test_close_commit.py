@@ -562,3 +562,74 @@ def test_a_rename_while_a_close_writes_the_row_of_an_fsynced_file_leaves_one_row
 
     trio.run(main)
 
+
+
+@pytest.mark.parametrize("op", ["rename", "unlink"])
+def test_a_rename_or_unlink_does_not_wait_for_the_whole_upload_of_a_kept_version(tmp_path, op):
+    """As above, for the closed version kept aside while the file is written again: its commit ran
+    on a stand-in for the file that never saw the rename's request to give up, so `mv` waited for
+    every part. Now it stops after the parts on their way; a renamed file's kept version is then
+    committed under the new name, and the writer's last close after it."""
+    store = GatedStore()
+    parts_by_key = {}
+    upload_part = store.upload_part
+
+    def counting_upload_part(bucket, key, *args, **kw):
+        parts_by_key[key] = parts_by_key.get(key, 0) + 1
+        return upload_part(bucket, key, *args, **kw)
+
+    store.upload_part = counting_upload_part
+    store.gate.clear()
+    data = os.urandom(64 * MiB)  # 64 parts of 1 MiB
+
+    async def main():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, _cfg(tmp_path))
+            fh, _ = await core.create(vol, "old.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            await core.write(fh, len(data) - MiB, data[-MiB:])  # not front to back: no stream
+            for off in range(0, len(data) - MiB, MiB):
+                await core.write(fh, off, data[off:off + MiB])
+            await core.flush(fh)  # closed: durable and journaled
+            staged = core.file_handle(fh).staged
+            fh2, _ = await core.open(core.file_handle(fh).inode.ino, os.O_WRONLY)  # written again
+            await core.release(fh)
+            assert staged.kept is not None  # the closed version is kept aside
+            kept_name = staged.kept.path.name
+            await core.write(fh2, 0, b"EDIT")
+            committer._enqueue(staged)  # as a retry would: the kept version is committed meanwhile
+            with trio.fail_after(10):
+                while store.parts_waiting < 1:
+                    await trio.sleep(0.01)
+            done = trio.Event()
+
+            async def rename():
+                if op == "rename":
+                    await core.rename(vol, "old.bin", vol, "new.bin")
+                else:
+                    await core.unlink(vol, "old.bin")
+                done.set()
+
+            n.start_soon(rename)
+            await trio.sleep(0.2)  # the rename waits for the upload's parts in flight
+            store.gate.set()
+            with trio.fail_after(10):
+                await done.wait()
+            assert parts_by_key.get("pfx/old.bin", 0) <= 16, parts_by_key  # not all 64
+            assert _stored(store, "old.bin") is None
+            # What a crash now would publish: the kept version under the new name, or nothing.
+            want = [("new.bin", kept_name)] if op == "rename" else []
+            assert [(r.path, r.staging) for r in committer.journal.records()] == want
+            if op == "rename":  # the closed version reaches the new name while the writer still writes
+                with trio.fail_after(30):
+                    while _stored(store, "new.bin") != data:
+                        await trio.sleep(0.01)
+            await core.flush(fh2)
+            await core.release(fh2)
+            await committer.shutdown(drain=True)
+            assert _stored(store, "new.bin") == (b"EDIT" + data[4:] if op == "rename" else None)
+            assert _stored(store, "old.bin") is None
+            assert committer.statistics().get("restarted", 0) >= 1
+            assert store.inner.list_multipart("bucket", "pfx/") == []  # the given-up upload is aborted
+            n.cancel_scope.cancel()
+
+    trio.run(main)
