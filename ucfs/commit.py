@@ -1313,14 +1313,28 @@ class Committer:
         s.committed_generation = max(s.committed_generation, gen)
         s.attempts = 0
         s.error = None
+        # The journal row of what is now in the store goes. Its removal may wait for the journal's
+        # next batch when the row names this same content (a crash meanwhile publishes it again:
+        # no harm). When the store now holds newer content than the row's version (an fsync of
+        # writes no close has covered), the removal is durable before anyone is told: a crash would
+        # otherwise put the row's older version back over what fsync promised.
+        stale_row = None
         if s.kept is not None and gen >= s.kept.generation:
+            if gen > s.kept.generation:
+                stale_row, s.rid = s.rid, None
             self._end_kept(s)  # its version, or a newer one, is in the store: it must never follow
         self.stats["committed"] += 1
         self.stats["committed_bytes"] += s.size
         log.debug("committed %s (%d bytes) in %.2f s", node.mount_path(), s.size, time.monotonic() - t0)
-        if s.committed_generation >= s.flushed_generation and s.rid is not None and not s.dirty:
-            self.journal.remove_nowait(s.rid)
-            s.rid = None
+        if s.committed_generation >= s.flushed_generation and s.rid is not None:
+            # (Also while the file is dirty again: what was written since no close has covered.)
+            if gen > s.flushed_generation:
+                stale_row, s.rid = s.rid, None
+            else:
+                self.journal.remove_nowait(s.rid)
+                s.rid = None
+        if stale_row is not None:
+            await self.journal.remove(stale_row)
         if (not s.dirty and s.rid is None and s.kept is None and s.handles > 0 and not s.dropped
                 and not s.path.name.startswith(COMMITTED_PREFIX) and s.node.staged is s):
             # Readers keep it open: after a crash it would look like a file never closed. Say it is

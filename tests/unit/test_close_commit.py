@@ -317,6 +317,69 @@ def test_fsync_commits_at_once_without_a_journal_record(tmp_path):
     trio.run(main)
 
 
+class GatedPutStore(GatedStore):
+    """PUTs too wait for `gate` (in their store thread), and say they are waiting."""
+
+    def __init__(self):
+        super().__init__()
+        self.put_waiting = threading.Event()
+
+    def put(self, *args, **kw):
+        if not self.gate.is_set():
+            self.put_waiting.set()
+            self.gate.wait(30)
+        return self.inner.put(*args, **kw)
+
+
+def test_fsync_past_a_recorded_close_leaves_no_row_that_would_roll_the_store_back(tmp_path):
+    """A writer closes a duplicate (a row for v1), writes on and fsyncs, and writes more while that
+    fsync uploads: v2 is in the store when fsync returns. The row names v1 (a replay publishes only
+    the closed bytes), so no row may be left then for a crash to replay: it would put v1 back over
+    the v2 that fsync promised. The writes made during the upload were never closed: a crash leaves
+    the store at v2."""
+    import sqlite3
+
+    store = GatedPutStore()
+
+    async def main():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, _cfg(tmp_path))
+            fh = await _write(core, vol, "f.bin", b"v1")
+            await core.flush(fh)  # a close of a duplicate: the writer goes on
+            assert [r.size for r in committer.journal.records()] == [2]
+            await core.write(fh, 2, b"+v2")
+            store.gate.clear()
+            done = trio.Event()
+
+            async def fsync():
+                await core.fsync(fh)
+                done.set()
+
+            n.start_soon(fsync)
+            with trio.fail_after(10):
+                while not store.put_waiting.is_set():
+                    await trio.sleep(0.01)
+            await core.write(fh, 5, b" more")  # during the upload of v2
+            store.gate.set()
+            with trio.fail_after(10):
+                await done.wait()
+            # What a crash right now would find (a second connection sees committed rows only).
+            db = sqlite3.connect(committer.journal.path)
+            left = db.execute("SELECT size FROM pending").fetchall()
+            db.close()
+            assert _stored(store, "f.bin") == b"v1+v2"
+            assert left == [], f"a crash now would publish the closed {left} bytes over the fsynced 5"
+            await core.flush(fh)
+            await core.release(fh)
+            with trio.fail_after(10):
+                while _stored(store, "f.bin") != b"v1+v2 more" or committer.journal.records():
+                    await trio.sleep(0.01)
+            await committer.shutdown(drain=True)
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
 def test_a_multipart_upload_created_but_never_recorded_is_aborted_at_the_next_mount(tmp_path):
     """A daemon killed after CreateMultipartUpload and before recording the upload's id leaves only
     its intent record: the next mount aborts that key's uploads of those minutes, and no other."""
