@@ -517,14 +517,10 @@ def test_a_rename_or_unlink_while_a_close_writes_its_journal_row(tmp_path, op):
     trio.run(main)
 
 
-@pytest.mark.parametrize("op", ["rename", "unlink"])
-def test_a_rename_or_unlink_does_not_wait_for_the_whole_upload_of_the_file(tmp_path, op):
-    """`mv` or `rm` of a file whose upload is under way: the upload goes to a name that is going
-    away, so it gives up after the parts already on their way (a renamed file is then uploaded
-    under its new name), instead of keeping the rename or unlink - and the directory, locked by the
-    kernel meanwhile - waiting until every part is sent. Nothing is published under the old name."""
+def _gated_store_counting_parts() -> tuple[GatedStore, dict[str, int]]:
+    """A GatedStore with its gate closed, and the part uploads it was asked for, by key."""
     store = GatedStore()
-    parts_by_key = {}
+    parts_by_key: dict[str, int] = {}
     upload_part = store.upload_part
 
     def counting_upload_part(bucket, key, *args, **kw):
@@ -533,34 +529,57 @@ def test_a_rename_or_unlink_does_not_wait_for_the_whole_upload_of_the_file(tmp_p
 
     store.upload_part = counting_upload_part
     store.gate.clear()
+    return store, parts_by_key
+
+
+async def _write_back_to_front(core, vol, name: str, data: bytes):
+    """Create `name`, write its last MiB first (so it does not stream) and close it; the handle stays."""
+    fh, _ = await core.create(vol, name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    await core.write(fh, len(data) - MiB, data[-MiB:])  # not front to back: no stream
+    for off in range(0, len(data) - MiB, MiB):
+        await core.write(fh, off, data[off:off + MiB])
+    await core.flush(fh)
+    return fh
+
+
+async def _rename_or_unlink_once_parts_wait(core, vol, store: GatedStore, op: str) -> None:
+    """Once a part upload waits at the gate: rename (or unlink) old.bin, let the parts go after a
+    moment, and return when the rename has returned."""
+    with trio.fail_after(10):
+        while store.parts_waiting < 1:
+            await trio.sleep(0.01)
+    done = trio.Event()
+
+    async def rename():
+        if op == "rename":
+            await core.rename(vol, "old.bin", vol, "new.bin")
+        else:
+            await core.unlink(vol, "old.bin")
+        done.set()
+
+    async with trio.open_nursery() as n:
+        n.start_soon(rename)
+        await trio.sleep(0.2)  # the rename waits for the upload's parts in flight
+        store.gate.set()
+        with trio.fail_after(10):
+            await done.wait()
+
+
+@pytest.mark.parametrize("op", ["rename", "unlink"])
+def test_a_rename_or_unlink_does_not_wait_for_the_whole_upload_of_the_file(tmp_path, op):
+    """`mv` or `rm` of a file whose upload is under way: the upload goes to a name that is going
+    away, so it gives up after the parts already on their way (a renamed file is then uploaded
+    under its new name), instead of keeping the rename or unlink - and the directory, locked by the
+    kernel meanwhile - waiting until every part is sent. Nothing is published under the old name."""
+    store, parts_by_key = _gated_store_counting_parts()
     data = os.urandom(64 * MiB)  # 64 parts of 1 MiB
 
     async def main():
         async with trio.open_nursery() as n:
             core, committer, vol = await open_core(tmp_path, store, n, _cfg(tmp_path))
-            fh, _ = await core.create(vol, "old.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            await core.write(fh, len(data) - MiB, data[-MiB:])  # not front to back: no stream
-            for off in range(0, len(data) - MiB, MiB):
-                await core.write(fh, off, data[off:off + MiB])
-            await core.flush(fh)
+            fh = await _write_back_to_front(core, vol, "old.bin", data)
             await core.release(fh)  # queued: a worker starts the multipart upload
-            with trio.fail_after(10):
-                while store.parts_waiting < 1:
-                    await trio.sleep(0.01)
-            renamed = trio.Event()
-
-            async def rename():
-                if op == "rename":
-                    await core.rename(vol, "old.bin", vol, "new.bin")
-                else:
-                    await core.unlink(vol, "old.bin")
-                renamed.set()
-
-            n.start_soon(rename)
-            await trio.sleep(0.2)  # the rename waits for the upload's parts in flight
-            store.gate.set()
-            with trio.fail_after(10):
-                await renamed.wait()
+            await _rename_or_unlink_once_parts_wait(core, vol, store, op)
             await committer.shutdown(drain=True)
             assert parts_by_key.get("pfx/old.bin", 0) <= 16, parts_by_key  # not all 64
             assert _stored(store, "new.bin") == (data if op == "rename" else None)
@@ -633,26 +652,13 @@ def test_a_rename_or_unlink_does_not_wait_for_the_whole_upload_of_a_kept_version
     on a stand-in for the file that never saw the rename's request to give up, so `mv` waited for
     every part. Now it stops after the parts on their way; a renamed file's kept version is then
     committed under the new name, and the writer's last close after it."""
-    store = GatedStore()
-    parts_by_key = {}
-    upload_part = store.upload_part
-
-    def counting_upload_part(bucket, key, *args, **kw):
-        parts_by_key[key] = parts_by_key.get(key, 0) + 1
-        return upload_part(bucket, key, *args, **kw)
-
-    store.upload_part = counting_upload_part
-    store.gate.clear()
+    store, parts_by_key = _gated_store_counting_parts()
     data = os.urandom(64 * MiB)  # 64 parts of 1 MiB
 
     async def main():
         async with trio.open_nursery() as n:
             core, committer, vol = await open_core(tmp_path, store, n, _cfg(tmp_path))
-            fh, _ = await core.create(vol, "old.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            await core.write(fh, len(data) - MiB, data[-MiB:])  # not front to back: no stream
-            for off in range(0, len(data) - MiB, MiB):
-                await core.write(fh, off, data[off:off + MiB])
-            await core.flush(fh)  # closed: durable and journaled
+            fh = await _write_back_to_front(core, vol, "old.bin", data)  # closed: durable and journaled
             staged = core.file_handle(fh).staged
             fh2, _ = await core.open(core.file_handle(fh).inode.ino, os.O_WRONLY)  # written again
             await core.release(fh)
@@ -660,23 +666,7 @@ def test_a_rename_or_unlink_does_not_wait_for_the_whole_upload_of_a_kept_version
             kept_name = staged.kept.path.name
             await core.write(fh2, 0, b"EDIT")
             committer._enqueue(staged)  # as a retry would: the kept version is committed meanwhile
-            with trio.fail_after(10):
-                while store.parts_waiting < 1:
-                    await trio.sleep(0.01)
-            done = trio.Event()
-
-            async def rename():
-                if op == "rename":
-                    await core.rename(vol, "old.bin", vol, "new.bin")
-                else:
-                    await core.unlink(vol, "old.bin")
-                done.set()
-
-            n.start_soon(rename)
-            await trio.sleep(0.2)  # the rename waits for the upload's parts in flight
-            store.gate.set()
-            with trio.fail_after(10):
-                await done.wait()
+            await _rename_or_unlink_once_parts_wait(core, vol, store, op)
             assert parts_by_key.get("pfx/old.bin", 0) <= 16, parts_by_key  # not all 64
             assert _stored(store, "old.bin") is None
             # What a crash now would publish: the kept version under the new name, or nothing.
