@@ -224,6 +224,11 @@ class Catalog:
                 sname = v.get("store") or ("default" if "default" in stores else "aws")
                 if sname == "aws" and "aws" not in stores:
                     stores["aws"] = StoreSpec("aws", "s3")
+                if sname == LOCAL_STORE:
+                    raise ConfigError(f"{at('store')}: volume {full!r} names store {LOCAL_STORE!r}, the built-in "
+                                      f"store of volumes on local directories, for the S3 location {location!r}: "
+                                      "name an S3 store of [stores] instead, or give a local directory as "
+                                      "its location")
                 if not isinstance(sname, str) or sname not in stores:
                     raise ConfigError(f"{at('store')}: volume {full!r} names store {sname!r}, which has no "
                                       f"[stores.{sname}] table")

@@ -307,6 +307,9 @@ CATALOGS = {
                        'store = "s"\n', 2, "endpoint_url"),
     "store named local": ('[stores.local]\nendpoint_url = "http://127.0.0.1:1"\n\n[volumes."a.b.c"]\n'
                           'location = "s3://b/x"\nstore = "local"\n', 1, "reserved"),
+    # No [stores] table named local may exist, so the message must not ask for one.
+    "s3 volume on the local store": (GOOD + '[volumes."a.b.c"]\nlocation = "s3://b/x"\nstore = "local"\n', 10,
+                                     "built-in store of volumes on local directories"),
     "not utf-8": (GOOD.encode() + b'[volumes."a.b.c"]\nlocation = "s3://b/\xff"\n', 9, "UTF-8"),
 }
 
