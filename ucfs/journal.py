@@ -82,10 +82,6 @@ class Record:
     seq: int = 0  # order of those changes among all rows (0: written before the column existed)
 
 
-# The next value of the rows' shared change counter, computed inside the writing transaction.
-_NEXT_SEQ = "(SELECT coalesce(max(seq), 0) + 1 FROM pending)"
-
-
 class Journal:
     def __init__(self, path: Path, *, staging_dir: Path | None = None):
         self.path = path
@@ -99,6 +95,9 @@ class Journal:
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.executescript(SCHEMA)
             self._migrate()
+            # The rows' shared change counter: statements take values in the order they are queued,
+            # which is the order they are written in.
+            self._seq = self._db.execute("SELECT coalesce(max(seq), 0) FROM pending").fetchone()[0]
             self._db.execute("SELECT count(*) FROM pending").fetchone()
             check = self._db.execute("PRAGMA quick_check").fetchone()[0]
             if check != "ok":
@@ -200,16 +199,20 @@ class Journal:
             raise OSError(5, f"commit journal write failed: {waiter['error']}")
         return waiter.get("rowid", 0)
 
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
     async def add(self, volume: str, path: str, staging: str, size: int) -> int:
         now = time.time()
         return await self._execute(
             "INSERT INTO pending (volume, path, staging, size, state, created, updated, seq) "
-            f"VALUES (?, ?, ?, ?, 'ready', ?, ?, {_NEXT_SEQ})", (volume, path, staging, size, now, now),
+            "VALUES (?, ?, ?, ?, 'ready', ?, ?, ?)", (volume, path, staging, size, now, now, self._next_seq()),
             names_file=staging)
 
     async def mark_ready(self, rid: int, size: int, path: str, staging: str) -> None:
         await self._execute("UPDATE pending SET size=?, path=?, staging=?, state='ready', error='', updated=?, "
-                            f"seq={_NEXT_SEQ} WHERE id=?", (size, path, staging, time.time(), rid),
+                            "seq=? WHERE id=?", (size, path, staging, time.time(), self._next_seq(), rid),
                             names_file=staging)
 
     async def restage(self, rid: int, staging: str) -> None:
@@ -217,8 +220,8 @@ class Journal:
         await self._execute("UPDATE pending SET staging=? WHERE id=?", (staging, rid), names_file=staging)
 
     async def rename(self, rid: int, path: str) -> None:
-        await self._execute(f"UPDATE pending SET path=?, updated=?, seq={_NEXT_SEQ} WHERE id=?",
-                            (path, time.time(), rid))
+        await self._execute("UPDATE pending SET path=?, updated=?, seq=? WHERE id=?",
+                            (path, time.time(), self._next_seq(), rid))
 
     def note_attempt_nowait(self, rid: int, attempts: int, error: str, failed: bool) -> None:
         self._enqueue("UPDATE pending SET attempts=?, error=?, state=?, updated=? WHERE id=?",
