@@ -247,7 +247,7 @@ class Staged:
     # The size the row recorded at its close. While the row names this staging file (`_closed_here`),
     # its bytes below this are that closed version: a writer still open (one that opened before the
     # close) may append past it at no cost, and a replay publishes only these bytes; a write or
-    # truncate below it first moves the closed version aside (`_keep_below_closed`).
+    # truncate below it first moves the closed version aside (`_changes_closed`).
     closed_size: int = 0
     generation: int = 0  # bumped by every change
     flushed_generation: int = -1  # latest generation made durable by close()/fsync
@@ -672,14 +672,14 @@ class Committer:
         return (s.rid is not None and s.kept is None and not s.dropped
                 and s.flushed_generation > s.committed_generation)
 
-    async def _keep_below_closed(self, s: Staged, off: int) -> None:
-        """A write or truncate at `off` by a handle that was open before the last close (or a dup
-        of the closing one): if it would change the closed version the journal row names, move that
-        version aside first (`keep_closed_version`). Appends past it cost nothing: a replay cuts the
-        staging file back to the recorded size. So several processes appending to one log pay no
-        copy; only a change below the closed end does, once per close."""
-        if off < s.closed_size and self._closed_here(s):
-            await self.keep_closed_version(s, truncate=False)
+    def _changes_closed(self, s: Staged, off: int) -> bool:
+        """Whether a write or truncate at `off` (by a handle open before the last close, or a dup of
+        the closing one) would change the closed version the journal row names: that version is
+        then moved aside first (`keep_closed_version`). Appends past it cost nothing: a replay cuts
+        the staging file back to the recorded size. So several processes appending to one log pay
+        no copy; only a change below the closed end does, once per close. (A plain test, not a
+        coroutine: every write asks.)"""
+        return off < s.closed_size and self._closed_here(s)
 
     def _end_kept(self, s: Staged) -> None:
         """s's kept version is in the store, or a newer version is, or the file is gone: remove it
@@ -763,7 +763,8 @@ class Committer:
         if s.unchecked >= SPACE_CHECK_BYTES:
             s.unchecked = 0
             await run_disk(self._check_space)
-        await self._keep_below_closed(s, off)
+        if self._changes_closed(s, off):
+            await self.keep_closed_version(s, truncate=False)
         async with s.lock:
             appending = off == s.size
             try:
@@ -970,7 +971,8 @@ class Committer:
     async def truncate(self, s: Staged, size: int) -> None:
         if size > MAX_OBJECT_BYTES:  # as in write(): the store could never hold it
             raise errors.fs_error(errors.EFBIG, "larger than the store's largest object (5 TiB)")
-        await self._keep_below_closed(s, size)
+        if self._changes_closed(s, size):
+            await self.keep_closed_version(s, truncate=False)
         async with s.lock:
             if s.pt_writers:
                 self.observe(s)
@@ -1061,7 +1063,7 @@ class Committer:
                     self._enqueue(s)
         if s.pt_writers > (1 if unseen else 0):
             # Other passthrough writers hold it open, and what they write we do not see: the closed
-            # version cannot be kept only when they write below its end (`_keep_below_closed`), so
+            # version cannot be kept only when they write below its end (`_changes_closed`), so
             # it is kept aside now, a copy of the staging file as this close left it.
             await self.keep_closed_version(s, truncate=False)
         if s.error is not None:
