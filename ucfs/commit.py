@@ -432,14 +432,18 @@ class Committer:
         """A journaled staging file longer than its row says: a writer that had it open when the
         recorded close happened appended to it and never closed. Only the closed bytes are published;
         the whole file is kept in orphans/ for the user, as a file never closed is."""
-        self.orphans_dir.mkdir(mode=0o700, exist_ok=True)
-        dest = self.orphans_dir / staging.name
-        if dest.exists():
-            dest = dest.with_name(f"{uuid.uuid4().hex}-{staging.name}")
+        dest = self._orphan_path(staging.name)
         shutil.copyfile(staging, dest)
         os.ftruncate(fd, size)
         log.warning("staging file %s was written past its last close (%d bytes) before the daemon stopped; "
                     "that close's version is committed, and the whole file kept as %s", staging.name, size, dest)
+
+    def _orphan_path(self, name: str) -> Path:
+        """Where a staging file kept for the user goes: orphans/<name>, or a unique name beside it
+        when an earlier crash left one of that name (it must not be overwritten)."""
+        self.orphans_dir.mkdir(mode=0o700, exist_ok=True)
+        dest = self.orphans_dir / name
+        return dest.with_name(f"{uuid.uuid4().hex}-{name}") if dest.exists() else dest
 
     def _collect_orphans(self, named: set[str]) -> None:
         """Staging files no journal row names (written but never closed before a crash): keep them
@@ -453,8 +457,7 @@ class Committer:
             if p.name.startswith(COMMITTED_PREFIX):
                 p.unlink()  # its content is in the store; it only waited for its readers
                 continue
-            self.orphans_dir.mkdir(mode=0o700, exist_ok=True)
-            dest = self.orphans_dir / p.name
+            dest = self._orphan_path(p.name)
             shutil.move(str(p), dest)
             log.warning("staging file %s was never closed before the daemon stopped; kept as %s", p.name, dest)
 
