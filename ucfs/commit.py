@@ -305,6 +305,9 @@ class Staged:
     # One flush at a time: two closes at once (a reader's and the writer's) both found no journal row
     # and added one each, and the row whose id was overwritten outlived every commit.
     flush_lock: trio.Lock = field(default_factory=trio.Lock)
+    # One rename of the staging file to or from its committed- name at a time: a commit marking it
+    # and an open, write or close taking the mark back raced, and the second rename found no file.
+    name_lock: trio.Lock = field(default_factory=trio.Lock)
     progress: trio.Event = field(default_factory=trio.Event)  # set (and replaced) on commit or failure
 
     @property
@@ -626,12 +629,13 @@ class Committer:
         which takes its handle as soon as this returns."""
         s.handles += 1
         try:
-            if s.path.name.startswith(COMMITTED_PREFIX):
-                # Written again: until its next close, a crash must keep it as an orphan.
-                path = s.path.with_name(s.path.name[len(COMMITTED_PREFIX):])
-                await run_disk(os.rename, s.path, path)
-                self.journal.note_new_file(path.name)
-                s.path = path
+            async with s.name_lock:
+                if s.path.name.startswith(COMMITTED_PREFIX):
+                    # Written again: until its next close, a crash must keep it as an orphan.
+                    path = s.path.with_name(s.path.name[len(COMMITTED_PREFIX):])
+                    await run_disk(os.rename, s.path, path)
+                    self.journal.note_new_file(path.name)
+                    s.path = path
             await self._keep_closed_version(s, truncate=truncate)
         except BaseException:
             self.unpin(s)
@@ -1344,17 +1348,19 @@ class Committer:
                 and not s.path.name.startswith(COMMITTED_PREFIX) and s.node.staged is s):
             # Readers keep it open: after a crash it would look like a file never closed. Say it is
             # committed, in its name (a crash cannot leave the name and the content disagreeing).
-            path = s.path.with_name(COMMITTED_PREFIX + s.path.name)
-            try:
-                await run_disk(os.rename, s.path, path)
-                s.path = path
-                if s.writers or s.dirty:  # opened for writing meanwhile: not just readers any more
-                    path = s.path.with_name(s.path.name[len(COMMITTED_PREFIX):])
-                    await run_disk(os.rename, s.path, path)
-                    self.journal.note_new_file(path.name)
-                    s.path = path
-            except OSError as e:
-                log.debug("could not mark %s committed: %s", s.path, e)
+            async with s.name_lock:
+                try:
+                    if not s.path.name.startswith(COMMITTED_PREFIX):
+                        path = s.path.with_name(COMMITTED_PREFIX + s.path.name)
+                        await run_disk(os.rename, s.path, path)
+                        s.path = path
+                    if s.writers or s.dirty:  # opened for writing meanwhile: not just readers any more
+                        path = s.path.with_name(s.path.name[len(COMMITTED_PREFIX):])
+                        await run_disk(os.rename, s.path, path)
+                        self.journal.note_new_file(path.name)
+                        s.path = path
+                except OSError as e:
+                    log.debug("could not mark %s committed: %s", s.path, e)
         parent = node.parent
         if parent is not None and parent.listing is not None:
             from .inodes import Entry
