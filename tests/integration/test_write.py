@@ -299,7 +299,9 @@ def test_replay_publishes_what_a_path_held_last(mount_factory, s3, bucket, prefi
     assert not (staging / "a-old.data").exists() and not (staging / "b-old.data").exists()
 
 
-def test_sigkill_during_multipart_commit_never_shows_a_partial_object(mount, s3, bucket, prefix):
+def test_sigkill_during_multipart_commit_never_shows_a_partial_object(fault_proxy, mount_factory, s3, bucket,
+                                                                     prefix):
+    mount = mount_factory(endpoint=fault_proxy.endpoint)
     key = f"{prefix}/vol/mp.bin"
     old = os.urandom(5 * MiB)
     s3.put_object(Bucket=bucket, Key=key, Body=old)
@@ -314,6 +316,9 @@ def test_sigkill_during_multipart_commit_never_shows_a_partial_object(mount, s3,
         except s3.exceptions.ClientError:
             seen.add(None)
 
+    # Parts past the second are refused (and retried), so the kill always lands mid-commit: before,
+    # on a busy host the whole upload could finish between the first listed part and the kill.
+    held = fault_proxy.fail(503, method="PUT", path=r"partNumber=([3-9]|\d\d)")
     with open(p, "wb") as f:
         # Not front to back: no part is uploaded while writing, so close() syncs the staging file
         # and the whole multipart upload runs after it (a stream's close would finish its upload).
@@ -321,7 +326,7 @@ def test_sigkill_during_multipart_commit_never_shows_a_partial_object(mount, s3,
         f.write(new[-MiB:])
         f.seek(0)
         f.write(new[:-MiB])
-    # Kill the daemon once the multipart commit is under way: its first parts are in the store.
+
     def parts_uploaded() -> bool:
         observe()
         for u in s3.list_multipart_uploads(Bucket=bucket, Prefix=key).get("Uploads", []):
@@ -329,9 +334,11 @@ def test_sigkill_during_multipart_commit_never_shows_a_partial_object(mount, s3,
                 return True
         return False
 
-    assert wait_until(parts_uploaded, 60, interval=0.02)
+    assert wait_until(lambda: parts_uploaded() and held.fired >= 1, 60, interval=0.02)
     mount.kill()
     observe()
+    assert seen == {len(old)}
+    fault_proxy.remove(held)
     mount.start()
     assert mount.status()["commits"].get("replayed", 0) == 1  # it was pending when killed
     assert p.read_bytes() == new
