@@ -1294,6 +1294,11 @@ class Committer:
                 await budget.reserve(reserved)
                 try:
                     async with s.lock:
+                        if (s.generation != gen and s.writers > 0 and not in_place
+                                and not s.fsync_waiters):
+                            # Opened and written while we waited for memory: what it holds now no
+                            # close covers. Its last close queues it again.
+                            raise _Changed("written while its commit waited")
                         gen = s.generation
                         size = s.size
                         data = await pread_local(s.fd, size, 0)

@@ -686,3 +686,40 @@ def test_a_rename_or_unlink_does_not_wait_for_the_whole_upload_of_a_kept_version
             n.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_an_append_racing_a_queued_single_put_is_not_published_before_its_close(tmp_path):
+    """The worker checks that nobody writes the file, then waits for memory before it reads it: a
+    writer that opens and appends in that wait must not have its unclosed bytes uploaded with the
+    closed version (the store would show bytes no close covered, and a crash would keep them)."""
+
+    async def main():
+        async with trio.open_nursery() as n:
+            store = GatedStore()
+            core, committer, vol = await open_core(tmp_path, store, n, _cfg(tmp_path))
+            budget = core.budget
+            held = budget.capacity_bytes - budget.used_bytes
+            budget.force_reserve(held)  # the worker's commit waits for memory
+            fh = await _write(core, vol, "log.txt", b"closed\n")
+            staged = core.file_handle(fh).staged
+            await core.flush(fh)
+            await core.release(fh)
+            with trio.fail_after(10):
+                while not staged.commit_lock.locked():  # the worker has it, past its check
+                    await trio.sleep(0.005)
+            fh2, _ = await core.open(staged.node.ino, os.O_WRONLY | os.O_APPEND)
+            await core.write(fh2, 7, b"unclosed")
+            budget.release(held)
+            with trio.fail_after(10):
+                while _stored(store, "log.txt") is None:
+                    await trio.sleep(0.005)
+            assert _stored(store, "log.txt") == b"closed\n"
+            await core.flush(fh2)
+            await core.release(fh2)
+            with trio.fail_after(10):
+                while _stored(store, "log.txt") != b"closed\nunclosed":
+                    await trio.sleep(0.005)
+            await committer.shutdown(drain=True)
+            n.cancel_scope.cancel()
+
+    trio.run(main)
