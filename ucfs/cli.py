@@ -266,8 +266,10 @@ def _is_dead_mount(mnt: str) -> bool:
     statvfs, not stat: the kernel answers a stat from the attributes it cached (for the metadata
     TTL) without asking anyone, so a mount that has just died still stats fine; statfs is always
     a request."""
+    from .mount import statvfs_answered
+
     try:
-        os.statvfs(mnt)
+        statvfs_answered(mnt)
     except OSError as e:
         return e.errno == errno.ENOTCONN
     return False

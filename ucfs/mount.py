@@ -20,6 +20,7 @@ import os
 import resource
 import signal
 import subprocess
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -64,12 +65,44 @@ def make_store(spec: StoreSpec, cfg: MountConfig, *, access_key: str | None = No
                    read_timeout_s=cfg.store_read_timeout_s, access_key=access_key, secret_key=secret_key)
 
 
+# How long the CLI waits for a mount to answer a statfs before it calls the mount hung.
+PROBE_TIMEOUT_S = 10.0
+
+
+def statvfs_answered(path: str | os.PathLike, timeout_s: float | None = None) -> os.statvfs_result:
+    """os.statvfs(path), or a UcfsError if no answer comes within `timeout_s`.
+
+    On a FUSE mount whose daemon is alive but stopped or hung, statfs waits for ever (only SIGKILL
+    ends the wait), and `ucfs mount`, `status` or `unmount` would hang with it. The call runs in a
+    daemon thread: the process can give up on it and exit, which ends the wait."""
+    timeout_s = PROBE_TIMEOUT_S if timeout_s is None else timeout_s
+    out: list = []
+
+    def probe() -> None:
+        try:
+            out.append(os.statvfs(path))
+        except OSError as e:
+            out.append(e)
+
+    t = threading.Thread(target=probe, name="ucfs-statvfs-probe", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if not out:
+        raise errors.UcfsError(
+            f"{path} is a mount that does not answer (no reply to statfs in {timeout_s:g} s): the daemon "
+            f"serving it is stopped or hung. Clear it with: fusermount3 -u -z {path} (a ucfs mount "
+            "loses nothing that was closed: the next mount of its cache directory commits it)")
+    if isinstance(out[0], OSError):
+        raise out[0]
+    return out[0]
+
+
 def check_mountpoint(path: Path) -> Path:
     """The mountpoint to mount at (as `resolve_mountpoint` names it), made if missing; a UcfsError
     when it cannot be used."""
     path = resolve_mountpoint(path)
     try:
-        os.statvfs(path)  # not stat, which a mount that just died may answer from cached attributes
+        statvfs_answered(path)  # not stat, which a mount that just died may answer from cached attributes
     except (FileNotFoundError, NotADirectoryError):
         pass  # made below, or the message says what is missing
     except OSError as e:

@@ -197,3 +197,24 @@ def test_status_of_another_file_systems_dead_mount_does_not_call_it_ucfs(mount_f
             other.kill()
             other.wait()
         subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
+
+
+def test_mounting_over_a_stopped_daemons_mount_says_so_instead_of_hanging(mount_factory):
+    """The mountpoint check's statfs waited for ever on a mount whose daemon is alive but stopped
+    (SIGSTOP, a debugger, a hang): `ucfs mount` hung with it, and Ctrl-C could not end it."""
+    m = mount_factory()
+    m.proc.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        r = ucfs(m, "mount", str(m.mountpoint), "--foreground", "--config", str(m.root / "catalog.toml"),
+                 "--cache-dir", str(m.root / "other-state"), timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        m.proc.send_signal(signal.SIGCONT)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"{m.mountpoint} is a mount that does not answer" in r.stderr, r.stderr
+    assert f"fusermount3 -u -z {m.mountpoint}" in r.stderr, r.stderr
+    assert took < 30, took
+    # Nothing was done to the mount: its daemon serves again once it runs.
+    assert wait_until(lambda: os.statvfs(m.mountpoint) is not None, 30)
+    assert m.stop() == 0
