@@ -9,12 +9,16 @@
         for paths in loader:
             ...  # paths of local copies; decode them, or wrap `ds` in a decoding IterableDataset
 
-**Listing.** Files are listed once per dataset object, the first time they are needed (sorted by
-path, so every rank and every rerun agrees), with the size and mtime the mount reports. The listing
-is a snapshot: files added later join after `refresh()`. Every cache decision uses the snapshot, so
+**Listing.** Files are listed once per dataset object, when it is built, in the process that builds
+it (sorted by path, so every rank and every rerun agrees), with the size and mtime the mount reports:
+DataLoader workers, which torch's own DataLoader starts without asking the dataset anything, all
+shard that one listing instead of each making its own. The listing is a snapshot: files added later
+join after `refresh()`. Every cache decision uses the snapshot, so
 an epoch that finds everything cached touches neither the mount nor the store. Under
 `torch.distributed` every rank uses rank 0's listing, so a directory that changes while the ranks
 list it cannot give them different shard sizes (see `_agree`; rank 0 never waits for the others).
+A dataset built before the process group was initialised takes rank 0's listing the first time the
+consumer's process uses it under the group.
 
 **Sharding** (see `_shard`): rank and world size come from `torch.distributed` when it is
 initialised, else from the ``RANK`` / ``WORLD_SIZE`` environment, else one process; the worker from
@@ -150,7 +154,7 @@ class UCVolumeDataset(IterableDataset):
                  cache_size_bytes: int = DEFAULT_CACHE_SIZE_BYTES,
                  free_floor_bytes: int = DEFAULT_FREE_FLOOR_BYTES,
                  io_threads: int = DEFAULT_IO_THREADS, readahead_files: int = DEFAULT_READAHEAD_FILES,
-                 batch_size: int = 1, direct: bool | None = None):
+                 batch_size: int = 1, direct: bool | None = None, _files: list[str] | None = None):
         super().__init__()
         self.root = os.path.abspath(os.fspath(path))
         if not os.path.isdir(self.root):
@@ -171,8 +175,9 @@ class UCVolumeDataset(IterableDataset):
         self.cache = FileCache(cache_dir if cache_dir is not None else default_cache_dir(),
                                capacity_bytes=cache_size_bytes, free_floor_bytes=free_floor_bytes,
                                direct=source)
-        self._explicit: list[str] | None = None  # from_files: these paths instead of a listing
+        self._explicit: list[str] | None = _files  # from_files: these paths instead of a listing
         self._entries: list[SourceFile] | None = None
+        self._agreed = False  # the ranks shard this listing (see `_take_rank0_listing`)
         self._names: list[str] | None = None  # relative paths, for the state's file-list digest
         self._listing_gen = 0  # bumped by refresh(): worker copies holding an older listing are stale
         self._block = torch.zeros(_HEADER + _SLOTS * len(_COUNTERS), dtype=torch.int64).share_memory_()
@@ -182,6 +187,10 @@ class UCVolumeDataset(IterableDataset):
         self._resume_armed = False  # consumer-side: a loaded state waits for the next iteration
         self._progress = (0, 0)  # consumer-side: (epoch, items consumed)
         self._counter_lock = threading.Lock()
+        # List now, here: torch's DataLoader starts its workers without calling anything of the
+        # dataset first, so a listing left for later was made by each worker on its own, and a
+        # directory that changed between two workers' listings gave them overlapping shards.
+        self._listing()
 
     # -- factories ------------------------------------------------------------------------------
     @classmethod
@@ -198,10 +207,7 @@ class UCVolumeDataset(IterableDataset):
         root = os.path.commonpath(abs_paths)
         if not os.path.isdir(root):
             root = os.path.dirname(root)
-        ds = cls(root, **options)
-        ds._explicit = abs_paths
-        ds._listing()  # stat them now: a missing file fails here, not in a worker
-        return ds
+        return cls(root, _files=abs_paths, **options)  # stat-ed now: a missing file fails here
 
     # -- the file list --------------------------------------------------------------------------
     @property
@@ -220,20 +226,30 @@ class UCVolumeDataset(IterableDataset):
             t0 = time.monotonic()
             if self._explicit is not None:
                 self._set_entries([_stat(p) for p in self._explicit])
+                self._agreed = True  # the caller's own list: nothing to agree on
             else:
                 self._set_entries(_list_files(self.root, self.pattern, self.recursive))
-                if get_worker_info() is None:
-                    self._take_rank0_listing()
+                self._agreed = False
             log.info("%s: %d files listed in %.2f s", self.root, len(self._entries), time.monotonic() - t0)
+        if not self._agreed and get_worker_info() is None:
+            self._take_rank0_listing()
         return self._entries
 
     def _take_rank0_listing(self) -> None:
-        """Under torch.distributed, shard rank 0's listing on every rank (see `_agree`)."""
+        """Under torch.distributed, shard rank 0's listing on every rank (see `_agree`). Outside a
+        process group of two or more ranks this does nothing, and is tried again at the next use, so
+        that a dataset built before `init_process_group` agrees with the other ranks once there is one."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        self._agreed = True
         mine = [(n, e.size, e.mtime_ns) for n, e in zip(self._names, self._entries)]
         theirs = _agree.rank0_listing(f"{self.root}\0{self.pattern}\0{self.recursive}", mine)
         if theirs is not None:
             self._set_entries([SourceFile(os.path.join(self.root, n), size, mtime)
                                for n, size, mtime in theirs])
+            self._listing_gen += 1  # persistent workers started on our own listing must restart
 
     def _set_entries(self, entries: list[SourceFile]) -> None:
         entries.sort(key=lambda e: e.path)

@@ -118,6 +118,7 @@ class DataLoader(torch.utils.data.DataLoader):
         epoch = start = None
         total = 0
         if vol is not None:
+            vol._listing()  # a dataset built before init_process_group may take rank 0's listing now
             if self._iterator is not None and self._workers_listing_gen != vol._listing_gen:
                 # Persistent workers hold copies of the dataset made when they started: after
                 # refresh() their listing is the old one. Start new workers with the new listing.

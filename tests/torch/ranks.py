@@ -11,6 +11,7 @@ import datetime
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -124,6 +125,27 @@ def listing_changes_between_ranks(rank, world, port, root, cache_dir, out_dir):
     dist.barrier()
     if rank == 1:
         out["sees_late"] = os.path.exists(os.path.join(root, "late.bin"))
+    out["files"] = [os.path.relpath(p, root) for p in ds.files]
+    out["len"] = len(ds)
+    out["names"] = [sample_name(p) for batch in DataLoader(ds, batch_size=2, num_workers=2) for p in batch]
+    write_json(Path(out_dir) / f"rank{rank}.json", out)
+    dist.barrier()
+
+
+def listing_before_init_process_group(rank, world, port, root, cache_dir, out_dir):
+    """Each rank builds the dataset (and so lists) before init_process_group, rank 1 only after a
+    file was added. Once the group is up, both must shard rank 0's list."""
+    late = os.path.join(root, "late.bin")
+    if rank == 1:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(late) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    ds = UCVolumeDataset(root, cache_dir=cache_dir, free_floor_bytes=0)
+    out = {"own": len(ds.files)}
+    if rank == 0:
+        with open(late, "wb") as f:
+            f.write(b"late.bin\n" + os.urandom(3000))
+    init_dist(rank, world, port)
     out["files"] = [os.path.relpath(p, root) for p in ds.files]
     out["len"] = len(ds)
     out["names"] = [sample_name(p) for batch in DataLoader(ds, batch_size=2, num_workers=2) for p in batch]

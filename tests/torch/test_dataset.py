@@ -166,6 +166,20 @@ def test_ranks_shard_rank0s_listing_when_the_directory_changes_between_their_lis
     assert set(r0["names"]) | set(r1["names"]) == set(samples)
 
 
+def test_ranks_that_listed_before_init_process_group_shard_rank0s_listing(mount, samples, tmp_path):
+    """A dataset lists when it is built; one built before the process group exists cannot share its
+    listing then, and must take rank 0's at its first use under the group."""
+    out = tmp_path / "out"
+    out.mkdir()
+    root = str(mount.path() / "data")
+    run_ranks(ranks.listing_before_init_process_group, 2, root, str(tmp_path / "cache"), str(out))
+    r0, r1 = read_json(out / "rank0.json"), read_json(out / "rank1.json")
+    assert r0["own"] == len(samples) and r1["own"] == len(samples) + 1  # rank 1's own list had late.bin
+    assert r1["files"] == r0["files"] and "late.bin" not in r0["files"]
+    assert r0["len"] == r1["len"] == 21 == len(r0["names"]) == len(r1["names"])
+    assert set(r0["names"]) | set(r1["names"]) == set(samples)
+
+
 def test_refresh_reaches_persistent_workers(mount, s3, bucket, prefix, tmp_path):
     """refresh() makes files added or changed since visible - also to the DataLoader's persistent
     workers (its default), which hold copies of the dataset made when they started."""

@@ -13,6 +13,7 @@ import os
 import socket
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -161,6 +162,33 @@ def test_a_changed_source_is_a_miss_never_stale(tree, tmp_path):
     fresh = make(tree, tmp_path, pattern="a/f001.bin")
     new = list(fresh)[0]
     assert new != old and open(new, "rb").read() == p.read_bytes()
+
+
+def _worker1_lists_after_a_file_is_added(worker_id: int) -> None:
+    """worker_init_fn: worker 0 lists (`files`), then worker 1 adds a file, then lists in its pass."""
+    info = torch.utils.data.get_worker_info()
+    flag = os.path.join(info.dataset.root, "..", "worker0-listed")
+    if worker_id == 0:
+        len(info.dataset.files)
+        open(flag, "w").close()
+        return
+    deadline = time.monotonic() + 30
+    while not os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (Path(info.dataset.root) / "a" / "f999.bin").write_bytes((999).to_bytes(2, "little") * 60)
+
+
+def test_plain_torch_loader_workers_shard_one_listing_when_the_directory_changes(tree, tmp_path):
+    """torch's own DataLoader never asks the dataset anything before its workers start. When the
+    listing was left to each worker, a file added between two workers' listings gave them lists of
+    37 and 38 files: their shards overlapped and had gaps (about half the files twice, the others
+    never). Every worker must shard the one listing made where the dataset was built."""
+    ds = make(tree, tmp_path)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2,
+                                         worker_init_fn=_worker1_lists_after_a_file_is_added)
+    got = Counter(names(loader))
+    assert (tree / "a" / "f999.bin").exists()  # the directory did change during the pass
+    assert got == Counter(f"f{i:03d}.bin" for i in range(37))
 
 
 @pytest.mark.parametrize("workers", [0, 1, 3])
