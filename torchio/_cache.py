@@ -124,6 +124,9 @@ class FileCache:
         self._lock_fd: int | None = None
         self._ready = False
         self._tmp_ids = itertools.count()
+        # Who owns a temporary file: a pid means something only in its own PID namespace (two
+        # containers sharing the host's cache each have a pid 1), so the namespace goes with it.
+        self._tmp_owner = f"{self._pid}_{_pid_namespace()}"
         self._warned_bypass = False
         self._credit = 0  # bytes this process has reserved in `usage` and not used yet
         self._credit_scans = -1  # the scan id `usage` had when the credit was taken
@@ -234,7 +237,7 @@ class FileCache:
             self._note_bypass(src)
             return Fetched(src.path, hit=False, bypassed=True)
         dst = self.local_path(src)
-        tmp = self.base / "tmp" / f"{os.path.basename(dst)}.{os.getpid()}.{threading.get_ident()}.{next(self._tmp_ids)}"
+        tmp = self.base / "tmp" / f"{os.path.basename(dst)}.{self._tmp_owner}.{threading.get_ident()}.{next(self._tmp_ids)}"
         try:
             with open(tmp, "wb", buffering=0) as fout:
                 copied = write(fout)
@@ -513,13 +516,26 @@ def _copy(fin, fout) -> int:
         total += len(chunk)
 
 
+def _pid_namespace() -> int:
+    """An id of this process's PID namespace (the inode of its ns link); 0 where there is none."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 def _tmp_owner_dead(name: str) -> bool:
-    """Whether the process that made temporary file `name` (``<object>.<pid>.<thread>.<n>``) is gone
-    (a zombie counts as gone). Unknown names are not judged here."""
+    """Whether the process that made temporary file `name` (``<object>.<pid>_<pid namespace>.<thread>.<n>``)
+    is gone (a zombie counts as gone). A file of another PID namespace -- another container sharing
+    the cache -- is not judged here: its pid names no process of ours, dead or alive, and only the
+    file's age (`STALE_TMP_S`) tells. Neither are unknown names."""
     parts = name.rsplit(".", 3)
-    if len(parts) != 4 or not parts[1].isdigit():
+    if len(parts) != 4:
         return False
-    pid = int(parts[1])
+    pid_s, sep, ns = parts[1].partition("_")
+    if not pid_s.isdigit() or (sep and (not ns.isdigit() or int(ns) != _pid_namespace())):
+        return False
+    pid = int(pid_s)
     if pid == os.getpid():
         return False
     try:

@@ -10,7 +10,10 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import os
+import shutil
 import socket
+import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -482,6 +485,35 @@ def test_a_file_left_aside_by_a_dead_eviction_is_removed_and_not_counted(tmp_pat
     (cache.base / "usage").write_text("garbage")
     assert cache.usage_bytes() == disk_bytes(10_000)
     assert not os.path.exists(aside) and cache.lookup(f) == local
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,
+                    reason="needs unshare(1) and root for a process in another PID namespace")
+def test_a_fill_in_progress_is_not_taken_for_dead_by_a_job_in_another_pid_namespace(tmp_path, monkeypatch):
+    """Two jobs in two containers share a host's cache. A process in the other PID namespace cannot
+    see our pid, so it took our fill in progress for a dead one's and deleted its temporary file at
+    start: our rename then failed (FileNotFoundError out of the pass)."""
+    import torchio._cache as cache_mod
+
+    root = tmp_path / "c"
+    cache = FileCache(root, capacity_bytes=1 << 30, free_floor_bytes=0)
+    src = src_file(tmp_path, "a.bin", 10_000)
+    real_copy = cache_mod._copy
+    other = []
+
+    def copy_then_another_job_starts(fin, fout):
+        n = real_copy(fin, fout)
+        code = ("import sys; from torchio._cache import FileCache; "
+                "FileCache(sys.argv[1], capacity_bytes=1 << 30, free_floor_bytes=0).usage_bytes()")
+        other.append(subprocess.run(["unshare", "--pid", "--fork", sys.executable, "-c", code, str(root)],
+                                    env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+                                    capture_output=True, text=True, timeout=120))
+        return n
+
+    monkeypatch.setattr(cache_mod, "_copy", copy_then_another_job_starts)
+    got = cache.get(src)
+    assert other and other[0].returncode == 0, other[0].stderr
+    assert not got.bypassed and open(got.path, "rb").read() == open(src.path, "rb").read()
 
 
 def _fill_many(root: str, paths: list[tuple[str, int, int]], q) -> None:
