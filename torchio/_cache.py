@@ -357,6 +357,18 @@ class FileCache:
         now = time.time()
         files: list[tuple[int, int, str]] = []
         used = 0
+        # Fills in progress first, then what is in place: a fill that moves from tmp/ to objects/
+        # while this runs is then counted twice (until the next scan), never missed.
+        for e in _scandir(self.base / "tmp"):
+            try:
+                st = e.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if now - st.st_mtime > STALE_TMP_S or _tmp_owner_dead(e.name):
+                with _suppress_missing():
+                    os.unlink(e.path)
+            else:
+                used += disk_bytes(st.st_size)  # a fill in progress elsewhere (or our own)
         for sub in _scandir(self.base / "objects"):
             if not sub.is_dir(follow_symlinks=False):
                 continue
@@ -374,16 +386,6 @@ class FileCache:
                 if stat.S_ISREG(st.st_mode):
                     files.append((st.st_mtime_ns, disk_bytes(st.st_size), e.path))
                     used += disk_bytes(st.st_size)
-        for e in _scandir(self.base / "tmp"):
-            try:
-                st = e.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if now - st.st_mtime > STALE_TMP_S or _tmp_owner_dead(e.name):
-                with _suppress_missing():
-                    os.unlink(e.path)
-            else:
-                used += disk_bytes(st.st_size)  # a fill in progress elsewhere
         if not evict:
             return used
         target = min(int(self.capacity_bytes * EVICT_TO_FRACTION), self.capacity_bytes - nbytes)

@@ -7,6 +7,7 @@ tests in tests/torch add the store). See torchio/dataset.py for the contract.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing
 import os
@@ -421,25 +422,21 @@ def test_a_hit_during_an_eviction_scan_is_not_deleted(tmp_path, monkeypatch):
     """Process a gets a path from lookup() (a hit, which marks it used) after process b's eviction
     scan has read the mtimes it sorts by and picked that file as the least recently used: b must
     see the hit and keep the file, or a's consumer fails to open what it was given."""
-    import torchio._cache as cache_mod
-
     a, b, old = _aged_cache_pair(tmp_path, 14)
     victim = old[0]
     given = {}
-    real_scandir = cache_mod._scandir
+    real_evict = b._evict
 
-    def scandir(path):
-        # The scan lists objects/*, then tmp/: by then it holds the stats it will sort by.
-        if str(path).endswith("/objects"):
-            given["scanning"] = True
-        elif str(path).endswith("/tmp") and given.get("scanning") and "path" not in given:
+    def evict(path, scanned_ns):
+        # The scan has read the stats it sorts by and starts on the least recently used.
+        if "path" not in given:
             given["path"] = a.lookup(victim)
-        return real_scandir(path)
+        return real_evict(path, scanned_ns)
 
-    monkeypatch.setattr(cache_mod, "_scandir", scandir)
+    monkeypatch.setattr(b, "_evict", evict)
     for f in (src_file(tmp_path, f"new{i}", 4000) for i in range(6)):
         assert not b.get(f).bypassed  # b fills past the capacity: it evicts
-    monkeypatch.setattr(cache_mod, "_scandir", real_scandir)
+    monkeypatch.setattr(b, "_evict", real_evict)
     assert given["path"] is not None
     with open(given["path"], "rb") as f:
         assert f.read() == open(victim.path, "rb").read()
@@ -514,6 +511,50 @@ def test_a_fill_in_progress_is_not_taken_for_dead_by_a_job_in_another_pid_namesp
     got = cache.get(src)
     assert other and other[0].returncode == 0, other[0].stderr
     assert not got.bypassed and open(got.path, "rb").read() == open(src.path, "rb").read()
+
+
+def test_a_fill_put_in_place_while_a_scan_recounts_is_counted(tmp_path, monkeypatch):
+    """A scan recounts `usage` from the files under objects/ and the fills in progress under tmp/.
+    Another process's fill that moved from tmp/ to objects/ between the two passes was in neither
+    (seen: `usage` two pages below what was on disk after three processes shared a cache), so the
+    cache could pass its capacity by such files until the next scan. Let the rename land before each
+    directory listing of the scan in turn: the recount must never come out below the disk."""
+    import torchio._cache as cache_mod
+
+    cache = FileCache(tmp_path / "c", capacity_bytes=1 << 30, free_floor_bytes=0)
+    for i in range(6):
+        cache.get(src_file(tmp_path, f"old{i}", 5000))
+    late = src_file(tmp_path, "late", 9000)
+    dst = cache.local_path(late)
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    tmp = cache.base / "tmp" / f"{os.path.basename(dst)}.{cache._tmp_owner}.1.0"  # a live fill's name
+    real_scandir = cache_mod._scandir
+    calls = []
+
+    def scandir_and_rename_at(k):
+        def scandir(path):
+            if len(calls) == k and os.path.exists(tmp):
+                os.rename(tmp, dst)  # the other process's fill goes into place now
+            calls.append(path)
+            return real_scandir(path)
+        return scandir
+
+    k = 0
+    while True:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(dst)
+        tmp.write_bytes(os.urandom(late.size))
+        (cache.base / "usage").write_text("garbage")  # the next use recounts
+        calls.clear()
+        monkeypatch.setattr(cache_mod, "_scandir", scandir_and_rename_at(k))
+        used = cache.usage_bytes()
+        monkeypatch.setattr(cache_mod, "_scandir", real_scandir)
+        on_disk = sum(disk_bytes(os.path.getsize(os.path.join(d, f)))
+                      for d, _, fs in os.walk(cache.base) for f in fs if f != "usage")
+        assert used >= on_disk == 6 * disk_bytes(5000) + disk_bytes(9000), (k, used, calls)
+        if k >= len(calls):
+            break
+        k += 1
 
 
 def _fill_many(root: str, paths: list[tuple[str, int, int]], q) -> None:
