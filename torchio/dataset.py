@@ -546,12 +546,21 @@ def _list_files(root: str, pattern: str, recursive: bool) -> list[SourceFile]:
 
     One stat per file, serially: the mount answers a directory read with each entry's attributes
     (READDIRPLUS), so these stats are served by the kernel without a round trip to the daemon.
+
+    A file or subdirectory that another process removes while this runs is left out, as a listing
+    made a moment later would: only the root itself must be there.
     """
     out: list[SourceFile] = []
     pending = [root]
     while pending:
         d = pending.pop()
-        with os.scandir(d) as it:
+        try:
+            it = os.scandir(d)
+        except FileNotFoundError:
+            if d == root:
+                raise
+            continue  # removed since its parent was read
+        with it:
             for e in it:
                 if e.is_dir(follow_symlinks=False):
                     if recursive:
@@ -561,7 +570,10 @@ def _list_files(root: str, pattern: str, recursive: bool) -> list[SourceFile]:
                     continue
                 if not fnmatch.fnmatchcase(os.path.relpath(e.path, root), pattern):
                     continue
-                st = e.stat(follow_symlinks=False)
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # removed since the directory was read
                 out.append(SourceFile(e.path, st.st_size, st.st_mtime_ns))
     return out
 

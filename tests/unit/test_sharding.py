@@ -133,6 +133,31 @@ def test_listing_is_sorted_recursive_and_filtered(tree, tmp_path):
         UCVolumeDataset(tree / "skip.txt", cache_dir=tmp_path / "cache")
 
 
+def test_files_and_directories_removed_while_listing_are_left_out(tmp_path, monkeypatch):
+    """Another process deletes a file between the directory read and its stat, and a subdirectory
+    after its parent was read: the listing is of a moment later, not a FileNotFoundError that stops
+    the job from starting."""
+    import torchio.dataset as dataset_mod
+
+    root = tmp_path / "src"
+    (root / "sub").mkdir(parents=True)
+    (root / "keep").mkdir()
+    for rel in ("x.bin", "gone.bin", "sub/y.bin", "keep/z.bin"):
+        (root / rel).write_bytes(b"\1\0" * 10)
+    real = dataset_mod.fnmatch.fnmatchcase
+
+    def fnmatchcase(name, pattern):
+        if name == "gone.bin":  # matched just before its stat: the other process removes it now
+            (root / "gone.bin").unlink()
+            shutil.rmtree(root / "sub")  # listed in the root already, not read yet
+        return real(name, pattern)
+
+    monkeypatch.setattr(dataset_mod.fnmatch, "fnmatchcase", fnmatchcase)
+    ds = UCVolumeDataset(root, cache_dir=tmp_path / "cache", free_floor_bytes=0)
+    monkeypatch.setattr(dataset_mod.fnmatch, "fnmatchcase", real)
+    assert [os.path.relpath(p, root) for p in ds.files] == ["keep/z.bin", "x.bin"]
+
+
 def test_from_files_reads_exactly_those(tree, tmp_path):
     picked = [tree / "b" / "c" / "f000.bin", tree / "a" / "f002.bin", tree / "a" / "f001.bin"]
     ds = UCVolumeDataset.from_files(picked, cache_dir=tmp_path / "cache")
