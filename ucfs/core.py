@@ -968,7 +968,10 @@ class Core:
         kept the ETag the bytes are the same, and the handles are pointed at it; otherwise (a copy
         in parts makes a new ETag) they are given a local copy, as for an unlink."""
         readers = self._object_readers(node)
-        if not readers:
+        if not readers or node.superseded:
+            # A superseded inode's version is not in the store any more: what the copy moved is
+            # the newer one, whose own inode the name has. Its handles read on from the cache, as
+            # they did before the rename (a copy of it from the store would fail, and the rename).
             return
         if any(h.version.etag != new_etag for h in readers):
             await self._keep_for_open_handles(node)

@@ -216,6 +216,30 @@ def test_a_version_replaced_elsewhere_reads_on_whole_through_handles_open_on_it(
     assert mount.status()["core"]["versions_superseded"] == 1
 
 
+def test_a_directory_renamed_while_a_version_replaced_elsewhere_is_open_moves_whole(mount, s3, bucket, prefix):
+    """A handle open on v1 of d/r.bin when another writer replaced it with v2: `mv d e` copied every
+    object and then failed with ESTALE (mv's retry then said ENOTEMPTY), leaving them under both
+    names. The rename tried to give the old handle a local copy of v1, read from the store, which
+    holds v2 now; v1 was not the store's to move any more."""
+    key = f"{prefix}/vol/d/r.bin"
+    v1, v2 = os.urandom(24 << 20), os.urandom(1 << 20)
+    s3.put_object(Bucket=bucket, Key=key, Body=v1)
+    v = mount.path()
+    fd = os.open(v / "d" / "r.bin", os.O_RDONLY)
+    try:
+        assert os.pread(fd, 4096, 0) == v1[:4096]
+        s3.put_object(Bucket=bucket, Key=key, Body=v2)
+        time.sleep(TTL)
+        assert os.stat(v / "d" / "r.bin").st_size == len(v2)  # the name has v2's inode now
+        os.rename(v / "d", v / "e")
+        assert keys(s3, bucket, f"{prefix}/vol/") == [f"{prefix}/vol/e/", f"{prefix}/vol/e/r.bin"]
+        assert os.pread(fd, 4096, 0) == v1[:4096]  # cached: the old handle reads on
+        assert os.fstat(fd).st_size == len(v1)
+    finally:
+        os.close(fd)
+    assert (v / "e" / "r.bin").read_bytes() == v2
+
+
 @pytest.mark.parametrize("op", ["unlink", "rename"])
 def test_removing_files_by_name_costs_no_listing_each(mount_factory, s3, bucket, prefix, op):
     """Keeping a directory that lost an entry (a marker) asks the store only when nothing known
