@@ -564,7 +564,14 @@ class Core:
     async def getattr(self, ino: int, caller: Caller | None = None) -> Attributes:
         node = self.node(ino)
         if node.kind is Kind.FILE and node.staged is None and not node.deleted and not node.attrs_fresh():
-            await self._revalidate(node)
+            try:
+                await self._revalidate(node)
+            except OSError as e:
+                # Deleted elsewhere while handles are open: the kernel asks for their file's
+                # attributes before it reads through them (and for fstat). The file lives on for
+                # them, as one unlinked here does; its name is gone (_revalidate).
+                if e.errno != errors.ENOENT or not node.deleted or node.opens <= 0:
+                    raise
         return self.attributes(node)
 
     async def _revalidate(self, node: Inode) -> None:
@@ -583,9 +590,14 @@ class Core:
                 return  # committed by us while the HEAD was on its way
             if e.errno == errors.ENOENT:
                 log.debug("revalidate %s: not in the store (HEAD sent at %.3f)", node.mount_path(), started)
-                # Deleted elsewhere. Existing handles keep what they have; new lookups see ENOENT.
+                # Deleted elsewhere. Existing handles keep what they have; new lookups see ENOENT,
+                # also those the kernel would answer from its dentry (getattr of an inode with
+                # handles open now answers with its attributes).
+                named = parent.children_by_name.get(node.name) is node
                 self.inodes.detach(node)
                 node.deleted = True
+                if named and self.invalidate_entry is not None:
+                    self.invalidate_entry(parent.ino, node.name)
                 raise errors.fs_error(errors.ENOENT, "deleted in the store") from None
             raise
         if self._changed_since(node, started):

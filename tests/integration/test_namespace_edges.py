@@ -240,6 +240,32 @@ def test_a_directory_renamed_while_a_version_replaced_elsewhere_is_open_moves_wh
     assert (v / "e" / "r.bin").read_bytes() == v2
 
 
+@pytest.mark.parametrize("seen_by", ["read", "listdir"])
+def test_a_file_deleted_elsewhere_reads_on_through_handles_open_on_it(mount, s3, bucket, prefix, seen_by):
+    """A handle's cached blocks stay readable after the object is deleted elsewhere (README
+    "Semantics": Reads), and fstat of it works, as for a file unlinked while open. Before, the
+    first read once the attributes had expired failed with ENOENT: the kernel asks for the file's
+    attributes before a read, and the daemon answered that getattr with the HEAD's ENOENT."""
+    key = f"{prefix}/vol/d/r.bin"
+    v1 = os.urandom(4 << 20)
+    s3.put_object(Bucket=bucket, Key=key, Body=v1)
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/d/other.bin", Body=b"x")
+    p = mount.path() / "d" / "r.bin"
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        assert os.pread(fd, len(v1), 0) == v1
+        s3.delete_object(Bucket=bucket, Key=key)
+        time.sleep(TTL)
+        if seen_by == "listdir":
+            assert os.listdir(p.parent) == ["other.bin"]
+        assert os.pread(fd, 4096, 1 << 20) == v1[1 << 20:(1 << 20) + 4096]
+        assert os.fstat(fd).st_size == len(v1)
+        assert not p.exists()
+    finally:
+        os.close(fd)
+    assert not p.exists()
+
+
 @pytest.mark.parametrize("op", ["unlink", "rename"])
 def test_removing_files_by_name_costs_no_listing_each(mount_factory, s3, bucket, prefix, op):
     """Keeping a directory that lost an entry (a marker) asks the store only when nothing known
