@@ -396,7 +396,9 @@ class Core:
                 and self._changed_since(node, seen_at)):
             return node
         if node is not None and kind is Kind.FILE and node.kind is Kind.FILE and self._outlived(node, entry.etag):
-            self._supersede(node)  # add_child below makes the name's new inode
+            # add_child below makes the name's new inode, which this lookup or readdirplus entry
+            # hands the kernel: seeing another node id, it replaces its dentry of the name itself.
+            self._supersede(node, tell_kernel=False)
         node = self.inodes.add_child(parent, name, kind, parent.volume)
         if kind is Kind.FILE:
             node.size, node.etag, node.mtime_ns = entry.size, entry.etag, entry.mtime_ns
@@ -476,7 +478,10 @@ class Core:
                 continue
             if node.kind is Kind.FILE:
                 if self._outlived(node, entry.etag):
-                    self._supersede(node)  # the next lookup of the name makes its new inode
+                    # The next lookup of the name makes its new inode. Not told to the kernel: an
+                    # opendir's readdirplus is about to hand it that inode, whose fresh dentry a
+                    # late invalidation would drop; otherwise the old dentry expires within the TTL.
+                    self._supersede(node, tell_kernel=False)
                     continue
                 node.size, node.etag, node.mtime_ns = entry.size, entry.etag, entry.mtime_ns
             node.attr_expires = expires
@@ -565,7 +570,7 @@ class Core:
         node = self.node(ino)
         if node.kind is Kind.FILE and node.staged is None and not node.deleted and not node.attrs_fresh():
             try:
-                await self._revalidate(node)
+                await self._revalidate(node, tell_kernel=True)
             except OSError as e:
                 # Deleted elsewhere while handles are open: the kernel asks for their file's
                 # attributes before it reads through them (and for fstat). The file lives on for
@@ -574,8 +579,10 @@ class Core:
                     raise
         return self.attributes(node)
 
-    async def _revalidate(self, node: Inode) -> None:
-        """Check a file against the store (its attributes expired)."""
+    async def _revalidate(self, node: Inode, *, tell_kernel: bool = False) -> None:
+        """Check a file against the store (its attributes expired). With tell_kernel (a getattr of
+        node), a name that no longer leads to node has its dentry invalidated: an open instead
+        fails with ESTALE, whose retry looks the name up (see `_supersede`)."""
         parent = node.parent
         assert parent is not None and node.volume is not None
         if parent.listing is not None and parent.listing_refresh is not None:
@@ -596,14 +603,14 @@ class Core:
                 named = parent.children_by_name.get(node.name) is node
                 self.inodes.detach(node)
                 node.deleted = True
-                if named and self.invalidate_entry is not None:
+                if named and tell_kernel and self.invalidate_entry is not None:
                     self.invalidate_entry(parent.ino, node.name)
                 raise errors.fs_error(errors.ENOENT, "deleted in the store") from None
             raise
         if self._changed_since(node, started):
             return  # we changed it while the HEAD was on its way: what we know is newer
         if self._outlived(node, info.etag):
-            self._supersede(node)
+            self._supersede(node, tell_kernel=tell_kernel)
             node = self.inodes.add_child(parent, node.name, Kind.FILE, node.volume)
         node.size, node.etag, node.mtime_ns = info.size, info.etag, info.mtime_ns
         node.attr_expires = time.monotonic() + self.cfg.metadata_ttl_s
@@ -949,14 +956,21 @@ class Core:
         return (node.staged is None and bool(node.etag) and etag != node.etag
                 and any(h.version.etag != etag for h in self._object_readers(node)))
 
-    def _supersede(self, node: Inode) -> None:
+    def _supersede(self, node: Inode, *, tell_kernel: bool) -> None:
         """A newer version of node's object was seen in the store while handles of node's own
         version are open. The kernel keeps one size and one page cache per inode: had node taken
         the new version's attributes, those handles would have been cut short at a smaller new
         size (the kernel ends reads at an inode's size without asking us) or served pages of the
         new version. So node stays as it is, for them, as a file replaced under its name does on a
         local file system, and the name gets a new inode (the caller's next add_child): an open
-        through the old one is ESTALE, which makes the kernel look the name up again."""
+        through the old one is ESTALE, which makes the kernel look the name up again.
+
+        With tell_kernel, the kernel's dentry of the name is invalidated, so that a path walk looks
+        the name up again at once. Only where no reply of this request hands the kernel the new
+        inode: the invalidation runs later, in pyfuse3's thread, and drops whatever dentry the name
+        has by then (the kernel does not compare inodes first). Dropping the new inode's fresh
+        dentry makes the kernel forget that inode, and the name's next lookup gives the same
+        version yet another inode number."""
         parent = node.parent
         assert parent is not None
         self.inodes.detach(node)
@@ -964,7 +978,7 @@ class Core:
         self.stats["versions_superseded"] += 1
         log.debug("%s: a newer version is in the store while %d handle(s) read inode %d; the name "
                   "gets a new inode", node.mount_path(), len(self._object_readers(node)), node.ino)
-        if self.invalidate_entry is not None:
+        if tell_kernel and self.invalidate_entry is not None:
             self.invalidate_entry(parent.ino, node.name)
 
     @staticmethod

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import subprocess
 import time
 
 import pytest
@@ -214,6 +215,35 @@ def test_a_version_replaced_elsewhere_reads_on_whole_through_handles_open_on_it(
         os.close(fd)
     assert p.read_bytes() == v2
     assert mount.status()["core"]["versions_superseded"] == 1
+
+
+@pytest.mark.parametrize("seen_by", ["stat", "listdir"])
+def test_a_version_replaced_elsewhere_keeps_the_one_new_inode_it_got(mount, s3, bucket, prefix, seen_by):
+    """The lookup (or listing) that found v2 beside a handle of v1 gave the name a new inode, and
+    also queued an invalidation of the name's dentry, which the kernel ran after its reply: it
+    dropped the new inode's fresh dentry, forgot that inode, and the next stat gave the unchanged
+    v2 yet another inode number (and lost its cached pages)."""
+    key = f"{prefix}/vol/d/r.bin"
+    v1, v2 = os.urandom(4 << 20), os.urandom(1 << 20)
+    s3.put_object(Bucket=bucket, Key=key, Body=v1)
+    p = mount.path() / "d" / "r.bin"
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        assert os.pread(fd, len(v1), 0) == v1
+        s3.put_object(Bucket=bucket, Key=key, Body=v2)
+        time.sleep(TTL)
+        if seen_by == "stat":
+            ino = os.stat(p).st_ino
+        else:  # ls -i: the inode numbers of the listing (readdirplus), each name then stat'ed
+            out = subprocess.run(["ls", "-li", str(p.parent)], capture_output=True, text=True, check=True)
+            ino = int(next(line for line in out.stdout.splitlines() if line.endswith(" r.bin")).split()[0])
+        assert ino != os.fstat(fd).st_ino
+        time.sleep(0.5)  # the kernel has long run anything queued for it by then
+        assert os.stat(p).st_ino == ino
+        assert p.read_bytes() == v2
+        assert os.stat(p).st_ino == ino
+    finally:
+        os.close(fd)
 
 
 def test_a_directory_renamed_while_a_version_replaced_elsewhere_is_open_moves_whole(mount, s3, bucket, prefix):
