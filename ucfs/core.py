@@ -297,7 +297,12 @@ class Core:
         entry, seen_at = await self._probe(vol, key)
         if entry is None or self._removed_since(parent, name, seen_at):
             return self._pending_local(parent, name, seen_at)
-        return self._apply_entry(parent, name, entry, seen_at)
+        node = self._apply_entry(parent, name, entry, seen_at)
+        # As for a revalidating HEAD: what this probe said is newer than any listing sent before
+        # it, such as the older listing a directory handle reads (readdir), which must not bring
+        # back the version it saw (opens would read it from the cache).
+        self._changed_at[node] = max(self._changed_at.get(node, float("-inf")), seen_at)
+        return node
 
     def _pending_local(self, parent: Inode, name: str, seen_at: float | None = None) -> Inode | None:
         """A name the store does not know may still exist here (created, not yet committed; or

@@ -8,6 +8,7 @@ thing beneath a directory gives it a marker.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import errno
 import os
@@ -127,6 +128,30 @@ def test_an_older_directory_handle_never_brings_back_a_file_deleted_elsewhere(mo
         with os.scandir(dfd) as it:
             list(it)
         assert not (d / "f.bin").exists()
+    finally:
+        os.close(dfd)
+
+
+def test_an_older_directory_handle_never_brings_back_a_version_replaced_elsewhere(mount, s3, bucket, prefix):
+    """A directory too large to list again for one name has a lookup probe the name instead. The
+    probe saw v2, but reading a directory handle opened before gave the file v1's attributes back
+    from the listing it was opened with: the next open read v1 from the cache, after v2 was seen."""
+    base = f"{prefix}/vol/d/"
+    with concurrent.futures.ThreadPoolExecutor(16) as ex:
+        list(ex.map(lambda i: s3.put_object(Bucket=bucket, Key=f"{base}f{i:04d}", Body=b"x"), range(1000)))
+    v1, v2 = os.urandom(200 << 10), os.urandom(300 << 10)
+    s3.put_object(Bucket=bucket, Key=base + "a.bin", Body=v1)
+    d = mount.path() / "d"
+    p = d / "a.bin"
+    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)  # its listing has v1
+    try:
+        assert p.read_bytes() == v1
+        s3.put_object(Bucket=bucket, Key=base + "a.bin", Body=v2)
+        time.sleep(TTL)
+        assert os.stat(p).st_size == len(v2)  # a probe: 1,001 names are not listed for one lookup
+        with os.scandir(dfd) as it:
+            assert sum(1 for _ in it) == 1001
+        assert p.read_bytes() == v2
     finally:
         os.close(dfd)
 
