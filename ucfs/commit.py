@@ -257,6 +257,9 @@ class Staged:
     # file is closed and removed only when this is zero (see `Committer._maybe_retire`).
     handles: int = 0
     writers: int = 0
+    # Opens for writing under way (in `Committer.stage`): writers from the moment their handle is
+    # made, which may follow several awaits. Until then the file must not be marked committed.
+    opening: int = 0
     error: OSError | None = None  # permanent commit failure
     attempts: int = 0
     queued: bool = False
@@ -587,15 +590,19 @@ class Committer:
         """The inode's staging file, made if needed (a copy of the object unless truncating)."""
         if node.staged is not None:
             s = node.staged
-            await self.keep_closed_version(s, truncate=truncate)
-            if truncate and s.size:
-                # Pinned: a commit finishing meanwhile must not retire it under the truncate. The
-                # caller takes a handle before its next await.
-                s.handles += 1
-                try:
-                    await self.truncate(s, 0)
-                finally:
-                    s.handles -= 1
+            s.opening += 1
+            try:
+                await self.keep_closed_version(s, truncate=truncate)
+                if truncate and s.size:
+                    # Pinned: a commit finishing meanwhile must not retire it under the truncate. The
+                    # caller takes a handle before its next await.
+                    s.handles += 1
+                    try:
+                        await self.truncate(s, 0)
+                    finally:
+                        s.handles -= 1
+            finally:
+                s.opening -= 1
             return s
         path, fd = await self._staging_file()
         s = Staged(node, node.volume, path, fd, 0, time.time_ns())
@@ -1350,16 +1357,21 @@ class Committer:
         if stale_row is not None:
             await self.journal.remove(stale_row)
         if (not s.dirty and s.rid is None and s.kept is None and s.handles > 0 and not s.dropped
+                and not s.writers and not s.opening
                 and not s.path.name.startswith(COMMITTED_PREFIX) and s.node.staged is s):
             # Readers keep it open: after a crash it would look like a file never closed. Say it is
             # committed, in its name (a crash cannot leave the name and the content disagreeing).
+            # Never while a writer has it open or is opening it: its close would record the name
+            # this is about to change (and a crash then lose the row's file).
             async with s.name_lock:
                 try:
-                    if not s.path.name.startswith(COMMITTED_PREFIX):
+                    if (not s.path.name.startswith(COMMITTED_PREFIX) and not s.writers
+                            and not s.opening and not s.dirty):
                         path = s.path.with_name(COMMITTED_PREFIX + s.path.name)
                         await run_disk(os.rename, s.path, path)
                         s.path = path
-                    if s.writers or s.dirty:  # opened for writing meanwhile: not just readers any more
+                    if s.path.name.startswith(COMMITTED_PREFIX) and (s.writers or s.dirty or s.opening):
+                        # (Defensive: a writer's open renames it back itself, under the lock.)
                         path = s.path.with_name(s.path.name[len(COMMITTED_PREFIX):])
                         await run_disk(os.rename, s.path, path)
                         self.journal.note_new_file(path.name)

@@ -723,3 +723,60 @@ def test_an_append_racing_a_queued_single_put_is_not_published_before_its_close(
             n.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a_close_during_the_commit_mark_names_the_staging_file_it_leaves(tmp_path, monkeypatch):
+    """A commit renames a staging file that readers keep open to `committed-<name>` (so a crash does
+    not take it for a file never closed). It did so with a writer open too, and renamed it back when
+    it saw the writer: a close in between recorded the `committed-` name in its journal row, and the
+    file then had the other name. A crash would have found the row's file missing."""
+    real_rename = os.rename
+    back_started, back_go = threading.Event(), threading.Event()
+
+    def rename(src, dst, *a, **kw):
+        if os.path.basename(src).startswith(commit_mod.COMMITTED_PREFIX):
+            back_started.set()  # renaming back: let the test close its writer meanwhile
+            back_go.wait(10)
+        return real_rename(src, dst, *a, **kw)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            store = GatedPutStore()
+            core, committer, vol = await open_core(tmp_path, store, n, _cfg(tmp_path))
+            fh = await _write(core, vol, "f.bin", b"v1")
+            s = core.file_handle(fh).staged
+            store.gate.clear()  # the commit waits until the reader and the writer are open
+            await core.flush(fh)
+            await core.release(fh)
+            with trio.fail_after(10):
+                while not store.put_waiting.is_set():
+                    await trio.sleep(0.005)
+            reader, _ = await core.open(s.node.ino, os.O_RDONLY)
+            writer, _ = await core.open(s.node.ino, os.O_WRONLY)
+            monkeypatch.setattr(os, "rename", rename)
+            store.gate.set()
+            with trio.move_on_after(2):  # the old code renames back: close the writer meanwhile
+                while not back_started.is_set() and _stored(store, "f.bin") is None:
+                    await trio.sleep(0.005)
+                while not back_started.is_set():
+                    await trio.sleep(0.005)
+            await core.write(writer, 0, b"v2")
+            await core.flush(writer)
+            back_go.set()
+            with trio.fail_after(10):
+                while s.path.name.startswith(commit_mod.COMMITTED_PREFIX):
+                    await trio.sleep(0.005)
+            rows = committer.journal.records()
+            assert [r.path for r in rows] == ["f.bin"]
+            on_disk = os.listdir(committer.staging_dir)
+            assert rows[0].staging in on_disk, (rows[0].staging, on_disk)
+            await core.release(writer)
+            await core.release(reader)
+            with trio.fail_after(10):
+                while _stored(store, "f.bin") != b"v2":
+                    await trio.sleep(0.01)
+            monkeypatch.setattr(os, "rename", real_rename)
+            await committer.shutdown(drain=True)
+            n.cancel_scope.cancel()
+
+    trio.run(main)
