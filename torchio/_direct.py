@@ -14,9 +14,9 @@ maps it. No descriptor, a daemon that is gone, a local-directory volume: no dire
 
 **Which version.** The file's identity in the cache is the size and mtime the mount listed. The
 mount reports a stored object's Last-Modified cut to the second, and a file written on this host
-(staged or just committed) its local mtime, which is not a whole second. So a direct fill is tried
-only for a whole-second mtime, and its bytes are kept only when the GET's size and Last-Modified are
-those the mount listed. Anything else -- a local version, an object changed since the listing, an
+(staged or committed, until a remount) its local mtime, which is not a whole second. So a direct
+fill is tried only for a whole-second mtime, and its bytes are kept only when the GET's size and
+Last-Modified are those the mount listed. Anything else -- a local version, an object changed since the listing, an
 error -- falls back to copying through the mount, which knows the newest state of the file. Access
 is the mount's first: only files the mount let this user list are fetched at all; a store that
 refuses our credentials switches direct fills off for the process (one log line).

@@ -1326,7 +1326,10 @@ class Committer:
             raise _Changed("renamed or unlinked while it was uploaded")
         node.etag = info.etag
         node.size = s.size if info.size < 0 else info.size
-        node.mtime_ns = time.time_ns()
+        # The mtime it showed while staged (its last write, or what touch set), not the time the
+        # upload ended: a commit is no change to the file (core.Core._describe).
+        node.mtime_ns = s.mtime_ns
+        node.local_mtime_etag = info.etag
         node.attr_expires = time.monotonic() + self.cfg.metadata_ttl_s
         # The kernel's pages are this content - unless passthrough writers wrote it, past the pages.
         node.page_cache_etag = None if s.pt_written else info.etag

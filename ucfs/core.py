@@ -390,6 +390,17 @@ class Core:
             return Entry(False, info.size, info.etag, info.mtime_ns)
         return None
 
+    @staticmethod
+    def _describe(node: Inode, size: int, etag: str, mtime_ns: int) -> None:
+        """Take the store's description of a file's object. The version this mount committed keeps
+        the mtime it had here: Last-Modified (whole seconds) would move it, and tools that compare
+        a file's times before and after reading it would see a change that is none (GNU tar exits 1
+        with "file changed as we read it"). Another version takes the store's."""
+        if not etag or etag != node.local_mtime_etag:
+            node.mtime_ns = mtime_ns
+            node.local_mtime_etag = ""
+        node.size, node.etag = size, etag
+
     def _apply_entry(self, parent: Inode, name: str, entry: Entry, seen_at: float | None = None) -> Inode:
         """The inode for a store entry, with the entry's attributes unless they are older (as of
         `seen_at`) than what this mount itself set since."""
@@ -406,7 +417,7 @@ class Core:
             self._supersede(node, tell_kernel=False)
         node = self.inodes.add_child(parent, name, kind, parent.volume)
         if kind is Kind.FILE:
-            node.size, node.etag, node.mtime_ns = entry.size, entry.etag, entry.mtime_ns
+            self._describe(node, entry.size, entry.etag, entry.mtime_ns)
         elif entry.mtime_ns:
             node.mtime_ns = entry.mtime_ns
         node.attr_expires = time.monotonic() + self.cfg.metadata_ttl_s
@@ -488,7 +499,7 @@ class Core:
                     # late invalidation would drop; otherwise the old dentry expires within the TTL.
                     self._supersede(node, tell_kernel=False)
                     continue
-                node.size, node.etag, node.mtime_ns = entry.size, entry.etag, entry.mtime_ns
+                self._describe(node, entry.size, entry.etag, entry.mtime_ns)
             node.attr_expires = expires
 
     async def opendir(self, ino: int, caller: Caller | None = None) -> int:
@@ -617,7 +628,7 @@ class Core:
         if self._outlived(node, info.etag):
             self._supersede(node, tell_kernel=tell_kernel)
             node = self.inodes.add_child(parent, node.name, Kind.FILE, node.volume)
-        node.size, node.etag, node.mtime_ns = info.size, info.etag, info.mtime_ns
+        self._describe(node, info.size, info.etag, info.mtime_ns)
         node.attr_expires = time.monotonic() + self.cfg.metadata_ttl_s
         # What this HEAD said is newer than any listing or probe sent before it: those must not
         # bring back an older version when they arrive (or are read from a directory handle) later.
@@ -1156,6 +1167,8 @@ class Core:
             await self._follow_rename(node, new_key, info.etag)
             await store.delete(vol.bucket, old_key)
             self.inodes.move(node, new_parent, new_name)
+            if node.local_mtime_etag and node.local_mtime_etag == node.etag:
+                node.local_mtime_etag = info.etag  # renamed, not changed: its mtime stays
             node.etag = info.etag
             node.page_cache_etag = info.etag if node.page_cache_etag else None
             return

@@ -76,6 +76,8 @@ class Inode:
     size: int = 0
     etag: str = ""
     mtime_ns: int = 0
+    # The version (ETag) this mount committed: it keeps the mtime it had here (core.Core._describe).
+    local_mtime_etag: str = ""
     attr_expires: float = 0.0  # time.monotonic() after which attributes must be checked again
     lookups: int = 0  # references the kernel holds
     opens: int = 0  # open file or directory handles

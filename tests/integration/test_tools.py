@@ -1,0 +1,68 @@
+"""Everyday tools on a real mount, compared with what they do on a local disk (README "Semantics").
+
+tar, cp and friends look at a file's times to decide whether it changed under them; these tests
+check that what the mount does behind the user's back (a commit, the store's description of the
+version it committed) does not look to them like a change.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+from tests.support import fsync_path
+
+MiB = 1 << 20
+
+
+def _times(p) -> tuple[int, int]:
+    st = os.stat(p)
+    return st.st_mtime_ns, st.st_ctime_ns
+
+
+def test_a_file_written_here_keeps_its_times_through_its_commit(mount, s3, bucket, prefix):
+    """The commit of a file (one PUT, or a multipart upload) and the store's later description of
+    that same version (a HEAD, a listing) do not move its mtime or ctime, nor does a rename: the
+    commit used to set them to the time it finished, and the next HEAD to the whole second of
+    Last-Modified. A version written elsewhere still shows its Last-Modified."""
+    v = mount.path()
+    files = {"small.bin": os.urandom(100_000), "large.bin": os.urandom(20 * MiB)}
+    for name, data in files.items():
+        (v / name).write_bytes(data)
+    written = {name: _times(v / name) for name in files}
+    for name in files:
+        fsync_path(v / name)
+        assert os.stat(v / name).st_size == len(files[name])
+    time.sleep(1.5)  # past the metadata TTL: the next stat asks the store
+    for name in files:
+        assert _times(v / name) == written[name], name
+    time.sleep(1.5)
+    assert sorted(os.listdir(v)) == sorted(files)  # a fresh listing describes them too
+    for name in files:
+        assert _times(v / name) == written[name], name
+    os.rename(v / "large.bin", v / "moved.bin")  # a copy in the store, with a Last-Modified of its own
+    time.sleep(1.5)
+    assert os.stat(v / "moved.bin").st_mtime_ns == written["large.bin"][0]
+
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/small.bin", Body=b"from elsewhere")
+    last_modified = s3.head_object(Bucket=bucket, Key=f"{prefix}/vol/small.bin")["LastModified"]
+    time.sleep(1.5)
+    assert (v / "small.bin").read_bytes() == b"from elsewhere"
+    assert os.stat(v / "small.bin").st_mtime_ns == int(last_modified.timestamp()) * 1_000_000_000
+
+
+def test_tar_of_files_just_written_does_not_report_them_changed(mount, tmp_path):
+    """GNU tar compares a file's ctime before and after reading it and exits 1 ("file changed as we
+    read it") when it moved; files written just before, still being committed, must not trip it."""
+    out = mount.path() / "results"
+    out.mkdir()
+    for i in range(20):
+        (out / f"part-{i:02d}.bin").write_bytes(os.urandom(3 * MiB))
+    r = subprocess.run(["tar", "cf", str(tmp_path / "results.tar"), "-C", str(mount.path()), "results"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    time.sleep(1.5)  # and again once the store describes them
+    r = subprocess.run(["tar", "cf", str(tmp_path / "again.tar"), "-C", str(mount.path()), "results"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
