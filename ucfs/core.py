@@ -1155,6 +1155,10 @@ class Core:
     async def _rename_file(self, store: AsyncStore, vol: Volume, node: Inode, target: Inode | None,
                            new_parent: Inode, new_name: str) -> None:
         if target is not None:
+            # The replaced file is unlinked: handles that read its object keep reading it, as they
+            # do after an unlink, from a copy (the store will soon hold the new content there).
+            if target.etag and target.opens > 0 and target.staged is None:
+                await self._keep_for_open_handles(target)
             if target.staged is not None:
                 await self.committer.drop(target.staged)
             self.inodes.detach(target)

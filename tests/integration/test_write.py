@@ -116,6 +116,33 @@ def test_unlink_removes_the_object_and_open_handles_keep_reading(mount, s3, buck
     assert keys(s3, bucket, f"{prefix}/vol/") == []
 
 
+
+def test_a_file_replaced_by_a_rename_stays_readable_through_handles_already_open(mount, s3, bucket, prefix):
+    """A rename over a file is an unlink of the file it replaces: handles already open keep reading
+    the replaced content, as on a local disk (the atomic-save pattern: write a temporary file,
+    rename it over the target, while a reader has the target open). Those handles used to read
+    the name's object from the store and got ESTALE once the new content was there."""
+    v = mount.path()
+    for how in ("committed", "staged"):
+        key = f"{prefix}/vol/{how}.bin"
+        old = os.urandom(20 * MiB)  # more than the first read's read-ahead fetches
+        s3.put_object(Bucket=bucket, Key=key, Body=old)
+        new = os.urandom(3 * MiB)
+        with open(v / f"{how}.bin", "rb") as f:
+            first = f.read(1000)
+            (v / "tmp.bin").write_bytes(new)
+            if how == "committed":
+                fsync_path(v / "tmp.bin")  # the rename copies it over the target in the store
+            os.replace(v / "tmp.bin", v / f"{how}.bin")
+            if how == "staged":
+                fsync_path(v / f"{how}.bin")  # its commit puts it over the target's object
+            assert obj(s3, bucket, key) == new
+            assert first + f.read() == old
+        assert (v / f"{how}.bin").read_bytes() == new
+    sync_dir(v)
+    assert keys(s3, bucket, f"{prefix}/vol/") == [f"{prefix}/vol/committed.bin", f"{prefix}/vol/staged.bin"]
+    assert mount.status()["core"]["unlinked_while_open"] == 2
+
 def test_rename_file_and_noreplace(mount, s3, bucket, prefix):
     v = mount.path()
     s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/committed.txt", Body=b"old")
