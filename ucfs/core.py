@@ -917,6 +917,11 @@ class Core:
             finally:
                 self.committer.unpin(staged)
         if mtime_ns is not None and node.staged is not None:
+            if node.staged.pt_writers:
+                # Take in what passthrough writers wrote before this (futimens after the writes,
+                # as tar x does): the next look at the staging file would otherwise put the
+                # mtime of those writes back over the one set here.
+                self.committer.observe(node.staged)
             node.staged.mtime_ns = mtime_ns
         # Modes and owners are not kept by an object store; accepting them lets cp -a, rsync and tar work.
         return self.attributes(node)
