@@ -357,8 +357,11 @@ def test_sigkill_during_multipart_commit_never_shows_a_partial_object(fault_prox
     def parts_uploaded() -> bool:
         observe()
         for u in s3.list_multipart_uploads(Bucket=bucket, Prefix=key).get("Uploads", []):
-            if s3.list_parts(Bucket=bucket, Key=key, UploadId=u["UploadId"]).get("Parts"):
-                return True
+            try:
+                if s3.list_parts(Bucket=bucket, Key=key, UploadId=u["UploadId"]).get("Parts"):
+                    return True
+            except (s3.exceptions.NoSuchUpload, s3.exceptions.NoSuchKey):
+                pass  # aborted between the two calls (RGW answers NoSuchKey): look again
         return False
 
     assert wait_until(lambda: parts_uploaded() and held.fired >= 1, 60, interval=0.02)
