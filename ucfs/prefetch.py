@@ -293,6 +293,9 @@ class ObjectReader:
         self.window = cfg.readahead_initial_bytes
         self.stream_start = 0  # where the current sequential stream began
         self.stream_end = 0  # furthest byte read by the current sequential stream
+        # Bytes the current stream's requests asked for: what the window grows with. Not the span
+        # stream_end - stream_start, which counts the bytes a stream skipped over as read.
+        self.stream_read = 0
         self._scheduled_end = 0  # end of the contiguous scheduled region of the stream
         self._low = 0  # no block below this index is held (blocks behind the reader are dropped)
         self._closed = False
@@ -408,17 +411,22 @@ class ObjectReader:
             self.window = self.cfg.readahead_initial_bytes
             self.stream_start = off
             self.stream_end = end
+            self.stream_read = end - off
             self._scheduled_end = end
             self._schedule(first, demand_stop, demand_stop)
             return
         self.stream_end = max(self.stream_end, end)
+        self.stream_read += end - off
         # The reader has consumed a whole window since the stream began: it keeps up, so look twice
         # as far ahead. Growing with what was read (not per request) keeps a long read at a random
         # offset - which the kernel hands us as several sequential requests - from fetching far
-        # more than it asked for: the window never exceeds twice what the stream has read.
-        while self.stream_end - self.stream_start >= self.window and self.window < self.cfg.readahead_max_bytes:
+        # more than it asked for: the window never exceeds twice what the stream has read. Read,
+        # not passed over: small reads a few MiB apart in increasing order (sorted random offsets,
+        # records picked from a file) stay one stream, and counting the gaps as read grew the
+        # window to whole parts until they fetched the whole file.
+        while self.stream_read >= self.window and self.window < self.cfg.readahead_max_bytes:
             self.window = min(self.window * 2, self.cfg.readahead_max_bytes)
-        if self.stream_start > 0 and self.stream_end - self.stream_start < self.cfg.readahead_initial_bytes:
+        if self.stream_start > 0 and self.stream_read < self.cfg.readahead_initial_bytes:
             # A stream that began at a seek has not shown it is one yet: a column chunk or record read
             # at a random offset arrives as a few requests in a row. Fetch what they touch, nothing
             # more, until it has read a first window's worth. (A stream from the file's head reads

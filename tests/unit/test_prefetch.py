@@ -141,6 +141,31 @@ def test_random_reads_fetch_only_the_blocks_they_touch(cfg, cache):
     assert sum(n for _, n in store.ranges) <= (len(offsets) + 1) * 2 * cfg.block_bytes
 
 
+def test_small_reads_a_few_mib_apart_in_order_fetch_only_what_they_touch(cfg, cache):
+    """Sorted random offsets (records picked from a file, in file order) are each within the forward
+    jump that keeps a stream, but the reader reads 4 KiB of every 3 MiB it passes: the gaps are not
+    reading, so the window must not grow with them (it grew to whole parts and fetched everything)."""
+    store = CountingStore()
+    data = make_object(store, 256 * MiB)
+    rng = random.Random(3)
+    offsets, off = [], 8 * MiB
+    while off < len(data) - 4096:
+        offsets.append(off)
+        off += rng.randrange(3 * MiB, 4 * MiB - 4096)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            r = await open_reader(store, cache, cfg, n)
+            for off in offsets:
+                assert bytes(await r.read(off, 4096)) == data[off:off + 4096]
+            r.close()
+
+    run(main)
+    fetched = sum(n for _, n in store.ranges)
+    # The blocks the reads touch (one each, two where a read straddles a boundary), nothing more.
+    assert fetched <= (len(offsets) + 1) * 2 * cfg.block_bytes, (fetched / MiB, len(offsets))
+
+
 def test_footer_read_does_not_fetch_the_whole_file(cfg, cache):
     store = CountingStore()
     data = make_object(store, 100 * MiB)
