@@ -304,7 +304,7 @@ class BlockCache:
     def put_blocks(self, version: ObjectVersion, first: int, data: bytes | memoryview,
                    backing: mmap.mmap | None = None) -> bool:
         """Store consecutive blocks starting at `first` (all full but maybe the last) as one segment.
-        False when they could not be kept (no room, disk full), which callers may ignore.
+        False when they could not be kept (no room, disk full or failing), which callers may ignore.
 
         `backing`: a page-aligned buffer that `data` starts at (the read path's pooled GET buffers);
         the segment is then written from it directly, without a copy."""
@@ -338,11 +338,16 @@ class BlockCache:
                 pass
             with self._lock:
                 self._used -= size  # give back the room reserved by _make_room
+            # The cache is an optimisation: whatever keeps a segment from being written (a full
+            # disk, one remounted read-only or failing, a directory refusing new files) costs the
+            # caching only, never the read or the commit that asked for it.
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 log.warning("cache disk full; serving %r without caching", version.key)
-                self._stats["skipped"] += 1
-                return False
-            raise
+            else:
+                log.warning("could not write cache blocks of %r: %s", version.key, e)
+                self._stats["write_errors"] += 1
+            self._stats["skipped"] += 1
+            return False
         with self._lock:
             old = self._lru.pop(name, None)
             self._used -= size + (old or 0)  # _index counts it again

@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -220,6 +221,40 @@ def test_a_corrupted_cache_block_is_detected_and_fetched_again(mount, s3, bucket
     assert (mount.path() / "c.bin").read_bytes() == data  # the good copy was cached in their place
     assert mount.store_stats().get("get", 0) == 0
     print(f"\n[bad input] corrupted cache: {len(segments)} segments damaged, {st['cache']['corrupt']} detected")
+
+
+def test_a_cache_directory_that_refuses_writes_costs_only_the_caching(mount, s3, bucket, prefix):
+    """The disk cache is an optimisation: where it cannot be written (here its directory is made
+    immutable; in the field, a cache disk remounted read-only or failing), reads are served from
+    the store and commits succeed. A file of 1-64 MiB is cached after its commit, and an error
+    there was taken for the commit's own: counted failed for good, though it was in the store."""
+    v3 = mount.state_dir / "cache" / "v3"
+    made = subprocess.run(["chattr", "+i", str(v3)], capture_output=True, text=True)
+    if made.returncode != 0:  # needs CAP_LINUX_IMMUTABLE and a file system with the attribute
+        pytest.skip(f"cannot make the cache directory immutable: {made.stderr.strip()}")
+    try:
+        data = os.urandom(3 * MiB + 7)
+        s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/r.bin", Body=data)
+        assert (mount.path() / "r.bin").read_bytes() == data
+        written = os.urandom(2 * MiB + 3)
+        p = mount.path() / "w.bin"
+        with open(p, "wb") as w:
+            w.write(written)
+            reader = open(p, "rb")  # keeps the staged file (and any error of its commit) around
+        try:
+            assert wait_until(lambda: f"{prefix}/vol/w.bin" in keys(s3, bucket, prefix), timeout=30)
+            assert obj(s3, bucket, f"{prefix}/vol/w.bin") == written
+            time.sleep(0.5)  # the caching after the commit
+            commits = mount.status()["commits"]
+            assert commits["failed"] == 0 and commits["pending"] == 0, commits
+            os.fsync(reader.fileno())  # no error of a commit that did not fail
+            assert reader.read() == written
+        finally:
+            reader.close()
+        assert "failed permanently" not in mount.log_tail(400)
+    finally:
+        subprocess.run(["chattr", "-i", str(v3)], check=True)
+    assert mount.status()["cache"].get("puts", 0) == 0  # nothing was cached: the test made its point
 
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated"])
