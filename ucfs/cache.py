@@ -189,6 +189,8 @@ class BlockCache:
                 st = e.stat(follow_symlinks=False)
             except OSError:
                 continue
+            if not stat.S_ISREG(st.st_mode):
+                continue  # never a segment we wrote (and a FIFO would hang the first read of it)
             found.append((st.st_mtime_ns, sub + e.name, _disk_bytes(st.st_size)))
         return found
 
@@ -257,15 +259,20 @@ class BlockCache:
             self._stats["misses"] += 1
             return None
         _, first, count = _parse_name(name)  # type: ignore[misc]
+        failure: OSError | None = None
+        data = None
         try:
             fd = os.open(self._path(name), os.O_RDONLY)
         except FileNotFoundError:
             self._forget(name)
             self._stats["misses"] += 1
             return None
+        except OSError as e:
+            fd, failure = None, e
         try:
-            header = os.pread(fd, HEADER_BYTES, 0)
-            data = self._check_header(header, d, first, count)
+            if fd is not None:
+                header = os.pread(fd, HEADER_BYTES, 0)
+                data = self._check_header(header, d, first, count)
             if data is not None:
                 length, sums = data
                 off = (index - first) * self.block_bytes
@@ -274,12 +281,20 @@ class BlockCache:
                 if len(block) != max(n, 0) or xxhash.xxh3_64_intdigest(block) != sums[index - first]:
                     data = None
             if data is not None and self._stats["hits"] % 64 == 0:
-                os.utime(fd)  # recency survives a remount (not on every hit: that is a disk write)
+                try:
+                    os.utime(fd)  # recency survives a remount (not on every hit: a disk write)
+                except OSError:
+                    pass  # a read-only cache disk still serves what it holds
+        except OSError as e:
+            # The disk could not give the block back (EIO; something that is not a segment file):
+            # as for a bad checksum, the store still has it. The read must not fail for it.
+            data, failure = None, e
         finally:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
         if data is None:
-            log.warning("cache segment %s of %r is damaged; dropping it and fetching again", name,
-                        version.key)
+            log.warning("cache segment %s of %r is %s; dropping it and fetching again", name,
+                        version.key, f"unreadable ({failure})" if failure else "damaged")
             self._stats["corrupt"] += 1
             self._remove(name)
             return None
@@ -481,6 +496,8 @@ class BlockCache:
             os.unlink(self._path(name))
         except FileNotFoundError:
             pass
+        except OSError as e:  # not ours to delete (a directory), or a failing disk: just forget it
+            log.warning("could not remove cache segment %s: %s", name, e)
         self._forget(name)
 
     def _forget(self, name: str) -> None:

@@ -257,6 +257,25 @@ def test_a_cache_directory_that_refuses_writes_costs_only_the_caching(mount, s3,
     assert mount.status()["cache"].get("puts", 0) == 0  # nothing was cached: the test made its point
 
 
+def test_a_cache_segment_that_cannot_be_read_is_fetched_again(mount, s3, bucket, prefix):
+    """A read error of the cache's disk (here: a segment that is a directory, so reading it fails
+    with EISDIR; in the field, EIO from a bad sector) is damage like a bad checksum: the block is
+    fetched from the store again, and the read does not fail."""
+    data = os.urandom(6 * MiB + 11)
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/u.bin", Body=data)
+    assert (mount.path() / "u.bin").read_bytes() == data
+    assert wait_until(lambda: mount.status()["cache"]["blocks"] >= 7, timeout=20)
+    mount.stop()
+    segments = [p for p in (mount.state_dir / "cache" / "v3").glob("*/*") if not p.name.startswith(".")]
+    assert segments
+    for seg in segments:
+        seg.unlink()
+        seg.mkdir()
+    mount.start()
+    assert (mount.path() / "u.bin").read_bytes() == data
+    assert mount.store_stats().get("get", 0) >= 1
+
+
 @pytest.mark.parametrize("damage", ["garbage", "truncated"])
 def test_a_damaged_journal_is_a_clear_message_and_staged_data_is_kept(fault_proxy, mount_factory, s3, bucket,
                                                                        prefix, damage):

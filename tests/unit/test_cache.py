@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import types
 
@@ -221,3 +222,24 @@ def test_files_the_cache_never_writes_are_ignored_by_its_index(tmp_path):
     again = make(tmp_path)  # a remount: the scan indexes what it finds
     assert again.get_block(v(), 1) == data[MiB:]
     assert sorted(again._lru) == [d.name + good.name]
+
+
+def test_a_block_the_disk_cannot_read_is_a_miss_not_an_error(tmp_path, monkeypatch):
+    """EIO from the cache's disk is damage like a bad checksum: the reader fetches the block again
+    from the store instead of failing (the segment is dropped)."""
+    c = make(tmp_path)
+    ver = v()
+    assert c.put_blocks(ver, 0, b"x" * (2 * MiB))
+    real_pread = os.pread
+
+    def failing_pread(fd, n, off):
+        if off >= 4096:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_pread(fd, n, off)
+
+    monkeypatch.setattr(os, "pread", failing_pread)
+    assert c.get_block(ver, 1) is None
+    monkeypatch.setattr(os, "pread", real_pread)
+    assert not c.contains(ver, 0)  # the segment went with it
+    assert c.statistics()["used_bytes"] == 0
+    assert not [p for p in (tmp_path / "c" / LAYOUT).glob("*/*")]
