@@ -218,6 +218,15 @@ class BlockCache:
                 self._loaded_subdirs.add(sub)
                 self._add_found(found)
 
+    def index_loaded_for(self, version: ObjectVersion) -> bool:
+        """Whether `contains` answers for this version without listing a directory first."""
+        return version.digest[:2] in self._loaded_subdirs
+
+    def load_index_for(self, version: ObjectVersion) -> None:
+        """List the subdirectory holding this version's segments, if not yet (a disk thread's job:
+        a subdirectory of a large cache holds thousands of segments, tens of ms to list)."""
+        self._ensure_subdir(version.digest[:2])
+
     def scan(self) -> None:
         """Index what earlier mounts left. Runs once, in a background thread."""
         n = 0

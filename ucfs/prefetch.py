@@ -316,6 +316,11 @@ class ObjectReader:
         if off >= self.size or size <= 0:
             return b""
         end = min(off + size, self.size)
+        if self.cache is not None and not self.cache.index_loaded_for(self.version):
+            # Planning asks the cache which blocks it has, on the event loop: the first question
+            # about a subdirectory the lazily loaded index has not listed yet would list it there,
+            # holding up every other request meanwhile.
+            await run_disk(self.cache.load_index_for, self.version)
         if self.budget.used_bytes > self.budget.capacity_bytes:
             await self.budget.wait_for_disk()
         self._plan(off, end)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 
 import pytest
 import trio
@@ -406,3 +407,28 @@ def test_a_read_across_two_fetches_comes_back_in_pieces_when_asked(cfg, cache):
     # Off the 8 MiB part boundaries, a request touches two parts: two pieces, never one per block.
     assert max(shapes) == 2 and shapes.count(2) >= 5, shapes
     assert sum(n for _, n in store.ranges) == len(data)  # and nothing fetched twice for it
+
+
+def test_the_lazily_loaded_cache_index_is_never_listed_on_the_event_loop(cfg, cache, monkeypatch):
+    """A subdirectory of a large cache holds thousands of segments (tens of ms to list): the first
+    read of an object whose subdirectory the index has not loaded lists it in a disk thread, never
+    on the event loop, where every other FUSE request would wait for it."""
+    store = CountingStore()
+    data = make_object(store, 3 * MiB)
+    where = []
+    real = BlockCache._list_subdir
+
+    def listing(self, sub):
+        where.append(threading.current_thread() is threading.main_thread())
+        return real(self, sub)
+
+    monkeypatch.setattr(BlockCache, "_list_subdir", listing)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            r = await open_reader(store, cache, cfg, n)
+            assert bytes(await r.read(0, 128 * KiB)) == data[:128 * KiB]
+            r.close()
+
+    run(main)  # trio runs in the main thread; run_disk's workers do not
+    assert where and not any(where), where
