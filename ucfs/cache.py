@@ -112,11 +112,12 @@ _HEX = frozenset("0123456789abcdef")
 def _parse_name(fname: str) -> tuple[str, int, int] | None:
     """'<digest>.<first>.<count>' -> (digest, first, count); None for anything we never write.
 
-    The digest is a version's (40 hex digits; 38 in a file name, whose directory holds the first two),
+    The digest is a version's (40 hex digits; 38 in a file name, whose directory holds the first two:
+    `fname` is the whole name, directory first),
     and a segment holds 1 to MAX_BLOCKS_PER_SEGMENT blocks. A stray file that passed a looser check
     (`x.0.300000000`) made the index loop over its "blocks" for minutes, holding the cache's lock."""
     parts = fname.split(".")
-    if (len(parts) != 3 or len(parts[0]) not in (38, 40) or not _HEX.issuperset(parts[0])
+    if (len(parts) != 3 or len(parts[0]) != 40 or not _HEX.issuperset(parts[0])
             or not parts[1].isdigit() or not parts[2].isdigit()):
         return None
     count = int(parts[2])
@@ -183,7 +184,7 @@ class BlockCache:
                 except OSError:
                     pass
                 continue
-            if _parse_name(e.name) is None:
+            if _parse_name(sub + e.name) is None:  # 38 digits here, the directory has the first two
                 continue
             try:
                 st = e.stat(follow_symlinks=False)
@@ -231,7 +232,8 @@ class BlockCache:
         """Index what earlier mounts left. Runs once, in a background thread."""
         n = 0
         try:
-            subs = [e.name for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False)]
+            subs = [e.name for e in os.scandir(self.root)
+                    if len(e.name) == 2 and _HEX.issuperset(e.name) and e.is_dir(follow_symlinks=False)]
         except OSError as e:
             log.warning("cache scan of %s failed: %s", self.root, e)
             subs = []

@@ -224,6 +224,23 @@ def test_files_the_cache_never_writes_are_ignored_by_its_index(tmp_path):
     assert sorted(again._lru) == [d.name + good.name]
 
 
+def test_a_stray_file_with_a_whole_digest_for_a_name_does_not_break_the_index(tmp_path):
+    """Inside a subdirectory a segment's name holds 38 digits of its digest (the directory has the
+    first two). A stray file with all 40 was taken up as a 42-digit segment the index could not
+    parse: a TypeError that ended the background scan (the size limit was never enforced on what
+    earlier mounts left) and failed every read of objects in that subdirectory."""
+    c = make(tmp_path)
+    data = os.urandom(2 * MiB)
+    assert c.put_blocks(v(), 0, data)
+    good = seg_path(c, v(), 0)
+    (good.parent / ("ab" * 20 + ".0.1")).write_bytes(b"x")
+    fresh = make(tmp_path, scan=False)  # a remount: the first read lists the subdirectory
+    assert fresh.get_block(v(), 1) == data[MiB:]
+    again = make(tmp_path, size=MiB)  # a remount with a smaller limit: the scan evicts
+    assert again.wait_scanned(0)
+    assert again.statistics()["used_bytes"] <= MiB and not good.exists()
+
+
 def test_a_block_the_disk_cannot_read_is_a_miss_not_an_error(tmp_path, monkeypatch):
     """EIO from the cache's disk is damage like a bad checksum: the reader fetches the block again
     from the store instead of failing (the segment is dropped)."""
