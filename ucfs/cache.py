@@ -177,6 +177,9 @@ class BlockCache:
             entries = list(os.scandir(self.root / sub))
         except FileNotFoundError:
             return found
+        except OSError as e:  # a failing disk: what it holds cannot be used, reads go to the store
+            log.warning("cannot list cache directory %s: %s", self.root / sub, e)
+            return found
         for e in entries:
             if e.name.startswith(".tmp"):
                 try:

@@ -260,3 +260,23 @@ def test_a_block_the_disk_cannot_read_is_a_miss_not_an_error(tmp_path, monkeypat
     assert not c.contains(ver, 0)  # the segment went with it
     assert c.statistics()["used_bytes"] == 0
     assert not [p for p in (tmp_path / "c" / LAYOUT).glob("*/*")]
+
+
+def test_a_cache_directory_the_disk_cannot_list_is_a_miss_not_an_error(tmp_path, monkeypatch):
+    """Listing a subdirectory of the lazily loaded index fails with EIO on a failing disk: its
+    segments cannot be used, but the read (a miss) and the background scan go on."""
+    c = make(tmp_path)
+    assert c.put_blocks(v(), 0, b"x" * MiB)
+    sub = seg_path(c, v(), 0).parent
+    real = os.scandir
+
+    def scandir(path):
+        if os.fspath(path) == os.fspath(sub):
+            raise OSError(errno.EIO, "Input/output error")
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    again = make(tmp_path, scan=False)
+    assert again.get_block(v(), 0) is None
+    again.scan()
+    assert again.wait_scanned(0)
