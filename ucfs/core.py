@@ -1317,6 +1317,7 @@ class Core:
                      "readahead_peak_bytes": self.budget.peak_bytes,
                      "readahead_budget_bytes": self.budget.capacity_bytes,
                      "buffers_reused": self.pool.reused, "buffers_discarded": self.pool.discarded,
+                     "buffers_trimmed": self.pool.trimmed,
                      "open_handles": len(self._handles)}
         out["stores"] = {name: s.store.statistics() for name, s in self.stores.items()}
         if self.cache is not None:

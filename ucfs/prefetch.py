@@ -220,10 +220,12 @@ class BufferPool:
         self._free: list[mmap.mmap] = []
         self.reused = 0
         self.discarded = 0
+        self.trimmed = 0
 
     async def acquire(self, n: int) -> mmap.mmap | None:
         """A buffer of at least n bytes, or None for requests too small to be worth pooling."""
-        if n > self.buffer_bytes or n < self.buffer_bytes // 2:
+        if not self.pools(n):
+            self.trim()  # the caller allocates memory of its own, reserved already
             return None
         if self._free:
             self.reused += 1
@@ -233,6 +235,19 @@ class BufferPool:
         # 1 GiB write the event loop stalled for 110-160 ms once a run (caught in madvise) while
         # other threads read parts into fresh buffers, and every FUSE request waited meanwhile.
         return await run_disk(anonymous_buffer, self.buffer_bytes)
+
+    def pools(self, n: int) -> bool:
+        """Whether a GET of n bytes gets a buffer of the pool."""
+        return self.buffer_bytes // 2 <= n <= self.buffer_bytes
+
+    def trim(self) -> None:
+        """Let idle buffers go while they and the data in use together exceed the budget. Called
+        where memory outside the pool is about to be used (blocks read from the disk cache, small
+        GETs): a pool filled by a cold read sat beside a warm one's blocks, up to twice the budget."""
+        budget = self.budget
+        while self._free and budget.used_bytes + len(self._free) * self.buffer_bytes > budget.capacity_bytes:
+            self._free.pop().close()
+            self.trimmed += 1
 
     def release(self, buf: mmap.mmap) -> None:
         if _viewed(buf):
@@ -491,6 +506,11 @@ class ObjectReader:
                 j = forced_end
                 if j == i:
                     return i
+            pool = self.pool
+            if pool is not None and (cached or not pool.pools(min(j * self.B, self.size) - i * self.B)):
+                # Reserved for memory outside the pool (blocks read from the disk cache, a small
+                # GET): idle pooled buffers that no longer fit beside it go.
+                pool.trim()
             run = [_Block(k) for k in range(i, j)]
             for blk in run:
                 blk.reserved = min((blk.index + 1) * self.B, self.size) - blk.index * self.B

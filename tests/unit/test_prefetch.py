@@ -31,6 +31,17 @@ class CountingStore(MemoryStore):
         return data, info
 
 
+class PooledStore(CountingStore):
+    """CountingStore that reads into the buffer it is given, as the S3 store does."""
+
+    def get(self, bucket, key, start=0, length=None, *, etag=None, into=None):
+        data, info = super().get(bucket, key, start, length, etag=etag)
+        if into is None:
+            return data, info
+        into[:len(data)] = data
+        return memoryview(into)[:len(data)], info
+
+
 def make_object(store: CountingStore, size: int, key: str = "obj") -> bytes:
     data = os.urandom(size)
     store.put_bytes("b", key, data)
@@ -432,3 +443,37 @@ def test_the_lazily_loaded_cache_index_is_never_listed_on_the_event_loop(cfg, ca
 
     run(main)  # trio runs in the main thread; run_disk's workers do not
     assert where and not any(where), where
+
+
+def test_idle_pooled_buffers_and_data_in_use_together_stay_in_the_budget(cfg, cache):
+    """Part buffers a cold read leaves in the pool are memory too. A second epoch then read from the
+    disk cache (blocks that need no pooled buffer) filled the budget beside them: up to twice the
+    budget resident. Buffers idle in the pool go once the data in use needs their room."""
+    cfg = cfg.replace(readahead_budget_bytes=32 * MiB)
+    store = PooledStore()
+    data = make_object(store, 64 * MiB)
+    budget = MemoryBudget(cfg.readahead_budget_bytes)
+    pool = prefetch.BufferPool(cfg.part_bytes, budget)
+    peak = 0
+
+    async def read_all(n):
+        nonlocal peak
+        peak = 0
+        r = await open_reader(store, cache, cfg, n, budget=budget)
+        r.pool = pool
+        for off in range(0, len(data), MiB):
+            assert bytes(await r.read(off, MiB)) == data[off:off + MiB]
+            peak = max(peak, budget.used_bytes + len(pool._free) * pool.buffer_bytes)
+        r.close()
+
+    async def main():
+        async with trio.open_nursery() as n:
+            await read_all(n)  # cold: ranged GETs into pooled buffers
+        assert pool._free  # the pool kept some for the next GETs
+        async with trio.open_nursery() as n:
+            await read_all(n)  # warm: every block from the disk cache
+
+    run(main)
+    assert store.ranges and len(store.ranges) == len({s for s, _ in store.ranges})  # read once
+    # Read-ahead stays inside the budget; only a read being waited on (one block) may exceed it.
+    assert peak <= cfg.readahead_budget_bytes + 2 * cfg.block_bytes, peak / MiB
