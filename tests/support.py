@@ -74,6 +74,20 @@ def foreign_page(data: bytes, versions: list[bytes]) -> int | None:
     return None
 
 
+def staging_files(staging: Path) -> list[Path]:
+    """The files of a staging directory that hold something: not the empty spares the daemon makes
+    ahead of time. One the daemon takes or removes while this looks is left out."""
+    out = []
+    for p in staging.iterdir():
+        try:
+            if p.name.startswith("spare-") and p.stat().st_size == 0:
+                continue
+        except FileNotFoundError:
+            continue
+        out.append(p)
+    return out
+
+
 def wait_until(pred, timeout: float, interval: float = 0.05):
     deadline = time.monotonic() + timeout
     while True:

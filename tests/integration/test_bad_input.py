@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, keys, obj, sync_dir, wait_until
+from tests.support import REPO, keys, obj, staging_files, sync_dir, wait_until
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -303,8 +303,7 @@ def test_a_damaged_journal_is_a_clear_message_and_staged_data_is_kept(fault_prox
         else:
             f.truncate(size // 2 + 100)  # cut in the middle of a page
     def staged_data():  # empty staging files the daemon made ahead of time hold nothing
-        return {p.name: p.read_bytes() for p in staging.iterdir()
-                if not (p.name.startswith("spare-") and p.stat().st_size == 0)}
+        return {p.name: p.read_bytes() for p in staging_files(staging)}
 
     staged_before = staged_data()
     assert sorted(staged_before.values()) == sorted(files.values())

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.support import REPO, fsync_path, keys, obj, sync_dir, wait_until
+from tests.support import REPO, fsync_path, keys, obj, staging_files, sync_dir, wait_until
 
 MiB = 1 << 20
 
@@ -516,7 +516,7 @@ def test_committed_files_leave_no_staging_files_behind(mount, s3, bucket, prefix
     sync_dir(v)  # every file committed
 
     def written_staging():
-        return [p.name for p in staging.iterdir() if not (p.name.startswith("spare-") and p.stat().st_size == 0)]
+        return [p.name for p in staging_files(staging)]
 
     assert wait_until(lambda: not written_staging(), timeout=10), written_staging()
     assert mount.stop() == 0
