@@ -33,6 +33,7 @@ import contextlib
 import logging
 import mmap
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -588,6 +589,9 @@ class ObjectReader:
                                               into=buf)
         except BaseException as e:
             if buf is not None:
+                # The frames of the call that was reading into buf are in e's traceback, and may
+                # still hold views of it: the pool would have to throw it away.
+                traceback.clear_frames(e.__traceback__)
                 self.pool.release(buf)
             if isinstance(e, errors.StoreError) and e.errno == errors.ENOENT:
                 # The version this handle reads was deleted: for the handle, as for a replaced one,

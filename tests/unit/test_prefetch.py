@@ -476,3 +476,49 @@ def test_idle_pooled_buffers_and_data_in_use_together_stay_in_the_budget(cfg, ca
     assert store.ranges and len(store.ranges) == len({s for s, _ in store.ranges})  # read once
     # Read-ahead stays inside the budget; only a read being waited on (one block) may exceed it.
     assert peak <= cfg.readahead_budget_bytes + 2 * cfg.block_bytes, peak / MiB
+
+
+class CutShortStore(PooledStore):
+    """PooledStore whose first ranged GET fails part-way through its body, as a reset connection
+    does: the failing call still holds a view of the buffer it was reading into."""
+
+    def __init__(self):
+        super().__init__()
+        self.failures = 1
+
+    def get(self, bucket, key, start=0, length=None, *, etag=None, into=None):
+        if into is not None and self.failures:
+            self.failures -= 1
+            body = memoryview(into)[:length]  # the body, half read
+            body[:4096] = b"\0" * 4096
+            raise ConnectionResetError(104, "Connection reset by peer")
+        return super().get(bucket, key, start, length, etag=etag, into=into)
+
+
+def test_a_get_that_fails_part_way_gives_its_buffer_back_to_the_pool(cfg, cache):
+    """The failure's traceback keeps the frames of the call that was reading into the buffer, and
+    their views of it: the pool, given the buffer back with those alive, threw it away, and the
+    next GET mapped and faulted in a fresh 8 MiB."""
+    store = CutShortStore()
+    data = make_object(store, 64 * MiB)
+    budget = MemoryBudget(cfg.readahead_budget_bytes)
+    pool = prefetch.BufferPool(cfg.part_bytes, budget)
+
+    async def read_through(n):
+        r = await open_reader(store, cache, cfg, n, budget=budget)
+        r.pool = pool
+        try:
+            for off in range(0, len(data), MiB):
+                assert bytes(await r.read(off, MiB)) == data[off:off + MiB]
+        finally:
+            r.close()
+
+    async def main():
+        async with trio.open_nursery() as n:
+            with pytest.raises(OSError):
+                await read_through(n)  # once the window reaches whole parts, a GET fails
+            await read_through(n)
+
+    run(main)
+    assert store.failures == 0
+    assert pool.discarded == 0 and pool.reused >= 1, (pool.discarded, pool.reused)
