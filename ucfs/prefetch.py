@@ -225,7 +225,7 @@ class BufferPool:
 
     async def acquire(self, n: int) -> mmap.mmap | None:
         """A buffer of at least n bytes, or None for requests too small to be worth pooling."""
-        if not self.pools(n):
+        if n > self.buffer_bytes or n < self.buffer_bytes // 2:
             self.trim()  # the caller allocates memory of its own, reserved already
             return None
         if self._free:
@@ -236,10 +236,6 @@ class BufferPool:
         # 1 GiB write the event loop stalled for 110-160 ms once a run (caught in madvise) while
         # other threads read parts into fresh buffers, and every FUSE request waited meanwhile.
         return await run_disk(anonymous_buffer, self.buffer_bytes)
-
-    def pools(self, n: int) -> bool:
-        """Whether a GET of n bytes gets a buffer of the pool."""
-        return self.buffer_bytes // 2 <= n <= self.buffer_bytes
 
     def trim(self) -> None:
         """Let idle buffers go while they and the data in use together exceed the budget. Called
@@ -312,6 +308,7 @@ class ObjectReader:
         # Bytes the current stream's requests asked for: what the window grows with. Not the span
         # stream_end - stream_start, which counts the bytes a stream skipped over as read.
         self.stream_read = 0
+        self._index_loaded = False  # the cache's index covers this version's subdirectory
         self._scheduled_end = 0  # end of the contiguous scheduled region of the stream
         self._low = 0  # no block below this index is held (blocks behind the reader are dropped)
         self._closed = False
@@ -332,11 +329,14 @@ class ObjectReader:
         if off >= self.size or size <= 0:
             return b""
         end = min(off + size, self.size)
-        if self.cache is not None and not self.cache.index_loaded_for(self.version):
+        if not self._index_loaded:
             # Planning asks the cache which blocks it has, on the event loop: the first question
             # about a subdirectory the lazily loaded index has not listed yet would list it there,
-            # holding up every other request meanwhile.
-            await run_disk(self.cache.load_index_for, self.version)
+            # holding up every other request meanwhile. (Asked once per reader: the question costs
+            # a digest of the version, and a listed subdirectory stays listed.)
+            if self.cache is not None and not self.cache.index_loaded_for(self.version):
+                await run_disk(self.cache.load_index_for, self.version)
+            self._index_loaded = True
         if self.budget.used_bytes > self.budget.capacity_bytes:
             await self.budget.wait_for_disk()
         self._plan(off, end)
@@ -507,11 +507,11 @@ class ObjectReader:
                 j = forced_end
                 if j == i:
                     return i
-            pool = self.pool
-            if pool is not None and (cached or not pool.pools(min(j * self.B, self.size) - i * self.B)):
-                # Reserved for memory outside the pool (blocks read from the disk cache, a small
-                # GET): idle pooled buffers that no longer fit beside it go.
-                pool.trim()
+            if cached and self.pool is not None:
+                # Reserved for memory outside the pool (blocks read from the disk cache): idle
+                # pooled buffers that no longer fit beside it go. (A GET too small for the pool
+                # trims when it asks the pool, `BufferPool.acquire`.)
+                self.pool.trim()
             run = [_Block(k) for k in range(i, j)]
             for blk in run:
                 blk.reserved = min((blk.index + 1) * self.B, self.size) - blk.index * self.B
