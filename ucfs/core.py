@@ -954,8 +954,7 @@ class Core:
             raise errors.fs_error(errors.EISDIR)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("unlink %s (inode %d, staged %s)", node.mount_path(), node.ino, node.staged is not None)
-        if node.etag and node.opens > 0 and node.staged is None:
-            await self._keep_for_open_handles(node)
+        await self._keep_unlinked_for_readers(node)
         # A file taken up from the journal at mount was made without asking the store: an older
         # object may be under its key all the same.
         replayed = node.staged is not None and node.staged.replayed
@@ -1031,6 +1030,12 @@ class Core:
                 self.cache.unpin(old)
             if h.reader is not None:
                 h.reader.key, h.reader.version = new_key, h.version
+
+    async def _keep_unlinked_for_readers(self, node: Inode) -> None:
+        """node's name goes (unlink, or a rename over it): handles open on its committed object keep
+        reading it, from a local copy (`_keep_for_open_handles`)."""
+        if node.etag and node.opens > 0 and node.staged is None:
+            await self._keep_for_open_handles(node)
 
     async def _keep_for_open_handles(self, node: Inode) -> None:
         """node's object is about to be deleted while handles still read it. Read-ahead may not
@@ -1161,9 +1166,8 @@ class Core:
                            new_parent: Inode, new_name: str) -> None:
         if target is not None:
             # The replaced file is unlinked: handles that read its object keep reading it, as they
-            # do after an unlink, from a copy (the store will soon hold the new content there).
-            if target.etag and target.opens > 0 and target.staged is None:
-                await self._keep_for_open_handles(target)
+            # do after an unlink (the store will soon hold the new content there).
+            await self._keep_unlinked_for_readers(target)
             if target.staged is not None:
                 await self.committer.drop(target.staged)
             self.inodes.detach(target)
