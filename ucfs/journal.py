@@ -1,11 +1,12 @@
 """The commit journal: which closed files still have to reach the store, durable on local disk.
 
-One sqlite3 database (WAL, synchronous=FULL) in the state directory. A row is written, and made
-durable, when a file is closed with changes (after its staging file is fsynced): from then on a crash
-cannot lose it. The row is removed once the file is committed; that removal need not be durable at
-once (after a crash the commit is simply repeated, which is harmless). A row removed because its
-file was unlinked or replaced is removed durably before the unlink returns: a crash must not bring a
-deleted file back, and publish it, at the next mount.
+One sqlite3 database (WAL) in the state directory. A row is written, and made durable
+(synchronous=FULL), when a file is closed with changes (after its staging file is fsynced): from then
+on a crash cannot lose it. The row is removed once the file is committed; that removal need not be
+durable at once (after a power loss the commit is simply repeated, which is harmless), so a batch of
+such statements alone is written without an fsync, and the next durable batch syncs it too. A row
+removed because its file was unlinked or replaced is removed durably before the unlink returns: a
+crash must not bring a deleted file back, and publish it, at the next mount.
 
 A row that names a staging file is committed only once that file's directory entry is durable: on
 a file system without a journal of its own (ext4 without one, as on these hosts) a new file's entry
@@ -93,6 +94,7 @@ class Journal:
             self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
+            self._synced = True  # whether synchronous=FULL is in force (see _write)
             self._db.executescript(SCHEMA)
             self._migrate()
             # The rows' shared change counter: statements take values in the order they are queued,
@@ -158,6 +160,15 @@ class Journal:
         if self._unsynced_names and any(name in self._unsynced_names for *_, name in batch):
             self.sync_staging_dir()
         cur = self._db.cursor()
+        # Only statements nobody waits for (a committed file's row, a finished upload's): no fsync.
+        # In WAL mode their frames still reach the file before COMMIT returns, so a killed daemon
+        # loses none of them; only a power loss can, and then a commit is repeated (harmless) or a
+        # row names a staging file that is gone (dropped at the next mount). The next durable batch
+        # makes them durable too, since the WAL is synced in order.
+        durable = any(waiter is not None for _, _, waiter, _ in batch)
+        if durable != self._synced:
+            cur.execute("PRAGMA synchronous=FULL" if durable else "PRAGMA synchronous=NORMAL")
+            self._synced = durable
         cur.execute("BEGIN IMMEDIATE")
         try:
             for sql, params, waiter, _ in batch:

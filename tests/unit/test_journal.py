@@ -106,6 +106,53 @@ def test_a_row_naming_a_new_staging_file_commits_only_after_the_directory_is_syn
     journal.close_db()
 
 
+def test_only_batches_someone_waits_for_pay_for_an_fsync(tmp_path):
+    """A batch of statements nobody waits for (a committed file's row removed, an attempt noted) is
+    written without syncing the WAL, which a killed daemon still finds; every batch with a waiter
+    (a close's row, a durable removal) is written under synchronous=FULL, also right after one that
+    was not, and so makes the earlier ones durable with it."""
+    _, staging = _state(tmp_path)
+    journal = Journal(tmp_path / "state" / "journal.sqlite3", staging_dir=staging)
+    level, current, commits = ["FULL"], [], []
+
+    def trace(sql: str) -> None:
+        words = sql.replace("=", " ").split()
+        if words[:2] == ["PRAGMA", "synchronous"]:
+            level[0] = words[2]
+        elif words[0] == "COMMIT":
+            commits.append((level[0], " ".join(current)))
+            current.clear()
+        elif words[0] in ("INSERT", "UPDATE", "DELETE"):
+            current.append(words[0])
+
+    journal._db.set_trace_callback(trace)
+
+    rids: dict[str, int] = {}
+
+    async def add(j: Journal, name: str):
+        rids[name] = await j.add("a.b.c", name, name + ".data", 1)
+
+    async def forget(j: Journal, name: str):
+        j.note_attempt_nowait(rids[name], 1, "503", failed=False)
+        j.remove_nowait(rids[name])
+        for _ in range(100):  # let the batch go out alone
+            await trio.sleep(0.01)
+            if not j._queue:
+                break
+
+    async def remove(j: Journal, name: str):
+        await j.remove(rids[name])
+
+    trio.run(_rows, journal, [(add, "f"), (add, "g"), (forget, "f"), (remove, "g"), (add, "h"), (forget, "h")])
+    assert commits == [("FULL", "INSERT"), ("FULL", "INSERT"), ("NORMAL", "UPDATE DELETE"),
+                       ("FULL", "DELETE"), ("FULL", "INSERT"), ("NORMAL", "UPDATE DELETE")]
+    assert journal.records() == []
+    journal.close_db()
+    # What was written without a sync is in the file all the same: another connection reads it.
+    assert sqlite3.connect(tmp_path / "state" / "journal.sqlite3").execute(
+        "SELECT count(*) FROM pending").fetchone() == (0,)
+
+
 def test_staging_files_made_ahead_are_durable_before_they_are_handed_out(tmp_path, monkeypatch):
     """Spare staging files are made in batches, and the staging directory is fsynced with each batch:
     a close of a file that took a spare then needs no directory fsync of its own."""
