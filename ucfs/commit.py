@@ -105,7 +105,10 @@ INTENT_CREATE_WINDOW_S = 600.0
 # create in it, so a 64-way copy into one directory creates one file at a time; a create that had
 # to wait for a disk thread (busy with fsyncs and cache writes) to make its staging file held up all
 # the others. A spare is taken without leaving the event loop.
-SPARE_STAGING_FILES = 8
+SPARE_STAGING_FILES = 32
+# ... topped up once fewer than this are left: in batches, since each batch ends with an fsync of the
+# staging directory (topping up after every take made one or two files per fsync).
+SPARE_LOW_WATER = SPARE_STAGING_FILES // 2
 SPARE_PREFIX = "spare-"
 # A staging file whose content is committed, kept only because handles still read it: a crash
 # leaves nothing to keep (`_collect_orphans`). Named back before anyone writes it again.
@@ -535,7 +538,8 @@ class Committer:
         return got
 
     def _refill_spares(self) -> None:
-        if not self._refilling and self._nursery is not None and not self._shutting_down:
+        if (len(self._spares) < SPARE_LOW_WATER and not self._refilling and self._nursery is not None
+                and not self._shutting_down):
             self._refilling = True
             self._nursery.start_soon(self._refill)
 

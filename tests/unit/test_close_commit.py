@@ -422,6 +422,40 @@ def test_a_multipart_upload_created_but_never_recorded_is_aborted_at_the_next_mo
     assert sorted(u.upload_id for u in store.inner.list_multipart("bucket", "pfx/")) == sorted([older, other])
 
 
+def test_a_burst_of_creates_makes_its_spares_in_few_batches(tmp_path, monkeypatch):
+    """Creates in one directory come one at a time (the kernel holds its lock), each taking a spare.
+    Spares are made in batches that end with an fsync of the staging directory, so the pool is
+    topped up only once it is half used: topping it up after every take made one file per fsync."""
+    store = MemoryStore()
+    store.buckets["bucket"] = {}
+    cfg = _cfg(tmp_path)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, cfg)
+            with trio.fail_after(10):
+                while len(committer._spares) < commit_mod.SPARE_STAGING_FILES:
+                    await trio.sleep(0.01)
+            batches = []
+            real = committer._new_spares
+            monkeypatch.setattr(committer, "_new_spares", lambda k: (batches.append(k), real(k))[1])
+            taken = []
+            for _ in range(64):
+                taken.append(await committer._staging_file())
+                with trio.fail_after(10):
+                    while committer._refilling:  # the next create comes after the refill, if any
+                        await trio.sleep(0.001)
+            for path, fd in taken:
+                os.close(fd)
+                path.unlink()
+            assert 1 <= len(batches) <= 8, batches  # 8 or more files per directory fsync
+            assert len(committer._spares) >= commit_mod.SPARE_LOW_WATER
+            await committer.shutdown(drain=True)
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
 def test_creates_take_staging_files_made_ahead_and_none_is_left_behind(tmp_path):
     """A create takes an empty staging file made ahead (no trip to a disk thread while the kernel
     holds the directory's lock). Spares never written are removed at shutdown, and at the next
