@@ -626,21 +626,25 @@ class BenchMount:
     def status(self) -> dict:
         return control.query(self.mountpoint, "status")
 
-    def thread_cpu(self) -> tuple[float, float]:
-        """CPU seconds the daemon's live threads have used so far: (its event loop, all the others).
+    def thread_cpu(self) -> dict[str, float]:
+        """CPU seconds the daemon's live threads have used so far, by kind: its event loop ("loop"),
+        its store and disk thread pools ("store", "disk", by the names ucfs.threads gives them) and
+        the rest ("other": the journal's thread, the cache index's...).
 
         From each thread's schedstat (nanoseconds run): the per-thread utime and stime in its stat
         are tick samples rounded so as never to go back, which for a pool of threads that each ran
         a little summed to 0.33 s where the whole process had run 0.57 s (a 1 GiB cold read)."""
-        loop = rest = 0.0
+        out = dict.fromkeys(("loop", "store", "disk", "other"), 0.0)
         pid = self.proc.pid if self.proc else None
         try:
             tids = os.listdir(f"/proc/{pid}/task")
         except (OSError, TypeError):
-            return 0.0, 0.0
+            return out
         hz = os.sysconf("SC_CLK_TCK")
         for tid in tids:
             try:
+                with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                    comm = f.read().strip()
                 with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
                     seconds = int(f.read().split()[0]) / 1e9
             except (OSError, ValueError, IndexError):
@@ -650,10 +654,11 @@ class BenchMount:
                 except (OSError, ValueError, IndexError):
                     continue  # a thread that ended meanwhile
             if int(tid) == pid:
-                loop += seconds
+                out["loop"] += seconds
             else:
-                rest += seconds
-        return loop, rest
+                kind = comm.removeprefix("ucfs-")
+                out[kind if kind in out and comm != kind else "other"] += seconds
+        return out
 
     def requests(self) -> dict[str, int]:
         """Store counters of all the mount's stores, summed."""
@@ -778,6 +783,17 @@ def _request_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, i
     """What the counters grew by, requests in a fixed order first."""
     keys = [k for k in _REQUEST_ORDER if k in after] + sorted(k for k in after if k not in _REQUEST_ORDER)
     return {k: after[k] - before.get(k, 0) for k in keys if after[k] - before.get(k, 0)}
+
+
+def _cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before.get(k, 0.0) for k in after}
+
+
+def _fmt_thread_cpu(cpu: dict[str, float]) -> str:
+    """The daemon's CPU over a phase, and how its threads shared it (BenchMount.thread_cpu)."""
+    names = {"loop": "event loop", "store": "store threads", "disk": "disk threads", "other": "other"}
+    parts = ", ".join(f"{names[k]} {v:.2f}" for k, v in cpu.items() if k in names and (v >= 0.005 or k == "loop"))
+    return f"{sum(cpu.values()):.2f} s ({parts})"
 
 
 def _fmt_requests(d: dict[str, int]) -> str:
@@ -1407,14 +1423,14 @@ class Bench:
                                            note="ceiling column: the cold read"), seconds=dt2, requests=req)
             self._verify_large(path)
 
-    def _note_daemon(self, m: BenchMount, name: str, since: tuple[float, float]) -> None:
+    def _note_daemon(self, m: BenchMount, name: str, since: dict[str, float]) -> None:
         """Where the daemon's CPU went during a read, and how its read path ran: what to look at
         first when a cold read is slower than the rounds beside it."""
-        loop, rest = (b - a for a, b in zip(since, m.thread_cpu()))
+        cpu = _cpu_delta(since, m.thread_cpu())
         with contextlib.suppress(OSError, UcfsError):
             st = m.status()
             core = st.get("core") or {}
-            say(f"{name}: daemon CPU {loop + rest:.2f} s (event loop {loop:.2f}, other threads {rest:.2f}); "
+            say(f"{name}: daemon CPU {_fmt_thread_cpu(cpu)}; "
                 f"{core.get('reads', 0)} read requests, {core.get('read_waits', 0)} waited for data; "
                 f"GET buffers reused {st.get('buffers_reused', 0)}, discarded {st.get('buffers_discarded', 0)}")
 
@@ -1512,11 +1528,13 @@ class Bench:
             r0 = m.requests()
             say(f"mount.write: dd of {_fmt_bytes(o.size)} into the mount, then waiting for the commit")
             log_at = m.log_end()
+            cpu0 = m.thread_cpu()
             t0 = time.monotonic()
             dt_close, _ = _run_timed(["dd", f"if={self.src_large}", f"of={target}", "bs=1M"], "mount.write",
                                      mount=m)
             t_commit = m.wait_committed(c0 + 1, timeout_s=max(300.0, o.size / 5e6)) - t0
             req = _request_delta(r0, m.requests())
+            cpu = _cpu_delta(cpu0, m.thread_cpu())
             # close() finishes an upload that kept up with the writer, else syncs the staging file
             st = m.status()
             how = ("close() finished the upload" if (st.get("commits") or {}).get("committed_at_close")
@@ -1530,7 +1548,7 @@ class Bench:
         if got != o.size:
             raise BenchError(f"mount.write: the committed object {key} has {got} bytes, expected {o.size}")
         say(f"mount.write: close after {dt_close:.2f} s, committed after {t_commit:.2f} s; {how} "
-            f"(requests: {_fmt_requests(req)})")
+            f"(requests: {_fmt_requests(req)}); daemon CPU {_fmt_thread_cpu(cpu)}")
         local = self.figures.get("ceiling.local_write")
         direct_s = self.details.get("ceiling.put", {}).get("seconds")
         self._figure(_ratio_figure("mount.write.close", dt_close, "s", local and local.value, at_most=1.5,
@@ -1550,19 +1568,22 @@ class Bench:
             c0 = (m.status().get("commits") or {}).get("committed", 0)
             r0 = m.requests()
             say(f"mount.small_write: {len(files)} files, {SMALL_PARALLEL} cp at a time, then waiting for commits")
+            cpu0 = m.thread_cpu()
             t0 = time.monotonic()
             dt_closed, _ = _run_timed(["xargs", "-0", "-P", str(SMALL_PARALLEL), "-n", str(per_cp), "cp", "-t",
                                        str(dest)], "mount.small_write",
                                       input=b"\0".join(os.fsencode(p) for p in files), mount=m)
             dt_committed = m.wait_committed(c0 + len(files), timeout_s=300) - t0
             req = _request_delta(r0, m.requests())
+            cpu = _cpu_delta(cpu0, m.thread_cpu())
         stored = list_sizes(self.s3, o.bucket, self.lay.scratch + "small/")
         n_ok = sum(1 for k, v in stored.items() if v == o.small_size)
         if n_ok != len(files):
             raise BenchError(f"mount.small_write: {n_ok} of {len(files)} files reached the store")
         closed, committed = len(files) / dt_closed, len(files) / dt_committed
         say(f"mount.small_write: all closed after {dt_closed:.2f} s ({closed:.0f} files/s), committed after "
-            f"{dt_committed:.2f} s ({committed:.0f} files/s; requests: {_fmt_requests(req)})")
+            f"{dt_committed:.2f} s ({committed:.0f} files/s; requests: {_fmt_requests(req)}); "
+            f"daemon CPU {_fmt_thread_cpu(cpu)}, {sum(cpu.values()) / len(files) * 1e3:.2f} ms per file")
         ceiling = self.figures.get("ceiling.small_put")
         ref = ceiling and ceiling.value
         self._figure(_ratio_figure("mount.small_write.closed", closed, "files/s", ref),

@@ -41,6 +41,16 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _name_os_thread(name: str) -> None:
+    """Give the calling thread the name `top -H`, `ps -L` and /proc/<pid>/task/<tid>/comm show
+    (the kernel keeps 15 bytes): which pool a busy thread belongs to, and the bench's CPU split."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
+            f.write(name[:15])
+    except OSError:
+        pass  # not Linux, or no /proc: the name is only for people looking
+
+
 def _cannot_abort(_raise_cancel) -> trio.lowlevel.Abort:
     return trio.lowlevel.Abort.FAILED  # the call is running in its thread: wait for it
 
@@ -82,6 +92,7 @@ class ThreadPool:
         return await trio.lowlevel.wait_task_rescheduled(_cannot_abort)
 
     def _work(self) -> None:
+        _name_os_thread(f"ucfs-{self.name}")
         while True:
             with self._lock:
                 self._idle += 1

@@ -108,6 +108,20 @@ def test_a_forked_child_starts_with_an_empty_pool():
     assert os.waitstatus_to_exitcode(status) == 0
 
 
+def test_pool_threads_carry_their_pool_s_name():
+    """`top -H`, `ps -L` and the bench tell the pools' threads apart by the name the kernel holds."""
+    pool = ThreadPool("store", 2)
+
+    def comm() -> str:
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm") as f:
+            return f.read().strip()
+
+    async def main():
+        return await pool.run(comm)
+
+    assert trio.run(main) == "ucfs-store"
+
+
 def test_threads_that_log_leave_no_thread_records_behind(tmp_path, monkeypatch):
     """Pool threads start with _thread (no wait on the event loop); the daemon's logging set-up
     must not make each of them a threading._DummyThread that outlives it."""
