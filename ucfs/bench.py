@@ -628,13 +628,13 @@ class BenchMount:
 
     def thread_cpu(self) -> dict[str, float]:
         """CPU seconds the daemon's live threads have used so far, by kind: its event loop ("loop"),
-        its store and disk thread pools ("store", "disk", by the names ucfs.threads gives them) and
-        the rest ("other": the journal's thread, the cache index's...).
+        its thread pools ("store", "disk", "journal", by the names ucfs.threads gives them) and the
+        rest ("other": the cache index's scan...).
 
         From each thread's schedstat (nanoseconds run): the per-thread utime and stime in its stat
         are tick samples rounded so as never to go back, which for a pool of threads that each ran
         a little summed to 0.33 s where the whole process had run 0.57 s (a 1 GiB cold read)."""
-        out = dict.fromkeys(("loop", "store", "disk", "other"), 0.0)
+        out = dict.fromkeys(("loop", "store", "disk", "journal", "other"), 0.0)
         pid = self.proc.pid if self.proc else None
         try:
             tids = os.listdir(f"/proc/{pid}/task")
@@ -791,7 +791,8 @@ def _cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, f
 
 def _fmt_thread_cpu(cpu: dict[str, float]) -> str:
     """The daemon's CPU over a phase, and how its threads shared it (BenchMount.thread_cpu)."""
-    names = {"loop": "event loop", "store": "store threads", "disk": "disk threads", "other": "other"}
+    names = {"loop": "event loop", "store": "store threads", "disk": "disk threads", "journal": "journal",
+             "other": "other"}
     parts = ", ".join(f"{names[k]} {v:.2f}" for k, v in cpu.items() if k in names and (v >= 0.005 or k == "loop"))
     return f"{sum(cpu.values()):.2f} s ({parts})"
 

@@ -36,6 +36,7 @@ from pathlib import Path
 import trio
 
 from .errors import UcfsError
+from .threads import ThreadPool
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,9 @@ class Journal:
                 f"Move the journal aside (mv {path} {path}.damaged) and mount again: files in the staging "
                 f"directory that no journal names are then moved to {path.parent / 'orphans'} for you to "
                 "recover by hand.") from None
-        self._limiter = trio.CapacityLimiter(1)  # sqlite in one thread at a time
+        # sqlite in one thread at a time, through the lean pool: a batch per close or two in a burst
+        # of small files, and each trip through trio.to_thread cost about twice as much CPU.
+        self._thread = ThreadPool("journal", 1)
         # (sql, params, waiter, the staging file the statement names or None)
         self._queue: list[tuple[str, tuple, dict | None, str | None]] = []
         self._wakeup = trio.Event()
@@ -146,7 +149,7 @@ class Journal:
             batch, self._queue = self._queue, []
             with trio.CancelScope(shield=True):  # a batch once started is written whole
                 try:
-                    await trio.to_thread.run_sync(self._write, batch, limiter=self._limiter)
+                    await self._thread.run(self._write, batch)
                 except Exception as e:  # noqa: BLE001 - hand the failure to every waiter
                     log.error("commit journal write failed: %s", e)
                     for _, _, waiter, _ in batch:
