@@ -197,6 +197,17 @@ class Counters:
             return dict(self._c)
 
 
+def _check_version(info: ObjectInfo, etag: str | None) -> None:
+    """A GET asked with If-Match must carry the version asked for. A server or proxy that ignores
+    If-Match answers with another version's bytes after an overwrite elsewhere; taken as the old
+    version's, they would be cached under its identity and served as the file's. The answer's own
+    ETag says so: such an answer is treated as the 412 it should have been."""
+    if etag and info.etag and info.etag != etag:
+        log.warning("GET %s: asked for version %s, the store answered with %s (it ignored If-Match); "
+                    "the file changed", info.key, etag, info.etag)
+        raise errors.StaleError(info.key)
+
+
 def _read_body(body: bytes | BinaryIO | s3http.FileBody, size: int) -> bytes:
     if isinstance(body, (bytes, bytearray, memoryview)):
         return bytes(body)
@@ -393,9 +404,11 @@ class S3Store:
                     raise
                 log.warning("GET %s: %s; asking again (attempt %d of %d)", key, e.strerror, attempt,
                             self.max_attempts)
+        info = ObjectInfo(key, total, _split_etag(r.headers.get("etag")),
+                          s3http.http_mtime_ns(r.headers.get("last-modified")))
+        _check_version(info, etag)
         self._counters.add("get_bytes", len(data))
-        return data, ObjectInfo(key, total, _split_etag(r.headers.get("etag")),
-                                s3http.http_mtime_ns(r.headers.get("last-modified")))
+        return data, info
 
     def _lean_request(self, op: str, method: str, bucket: str, key: str, headers: dict,
                       into: bytearray | None = None, query: dict | None = None,
@@ -480,7 +493,9 @@ class S3Store:
             expected = int(resp.get("ContentLength", len(data)))
             if len(data) != expected:
                 raise errors.connection_error(f"GET returned {len(data)} bytes, expected {expected}", key=key)
-            return data, self._info_from_head(key, resp, size=total)
+            info = self._info_from_head(key, resp, size=total)
+            _check_version(info, etag)
+            return data, info
         raise AssertionError("unreachable")
 
     def list_page(self, bucket: str, prefix: str, *, delimiter: str = "/", token: str | None = None,
