@@ -1,0 +1,70 @@
+"""A directory looked up in a burst is listed again before its listing expires (core
+`_maybe_refresh_ahead`), on the core with an in-memory store whose LIST takes its time.
+
+Without that, the first lookup after expiry relisted the directory itself, and on a mount every
+other lookup and create in the directory waited for it (the kernel holds the directory's lock).
+"""
+
+from __future__ import annotations
+
+import time
+
+import trio
+
+from ucfs.config import MountConfig
+from ucfs.store import MemoryStore
+
+from tests.support import open_core
+
+LIST_S = 0.3
+
+
+class _SlowList(MemoryStore):
+    def __init__(self):
+        super().__init__()
+        self.lists = 0
+
+    def list_page(self, *args, **kwargs):
+        self.lists += 1
+        time.sleep(LIST_S)  # a store thread's time, as a LIST of thousands of names over a WAN
+        return super().list_page(*args, **kwargs)
+
+
+def test_a_directory_looked_up_in_a_burst_never_makes_a_lookup_wait_for_its_listing(tmp_path):
+    store = _SlowList()
+    for i in range(200):
+        store.put_bytes("bucket", f"pfx/d/f{i:04d}", b"x")
+    (tmp_path / "state").mkdir(mode=0o700)
+    cfg = MountConfig(cache_dir=tmp_path / "state" / "cache", metadata_ttl_s=1.0)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, cfg)
+            d = (await core.lookup(vol, "d")).ino
+            await core.refresh_listing(core.node(d))  # as `ls` or a loader's scan does first
+            lists0, slowest, seen_late = store.lists, 0.0, None
+            start = time.monotonic()
+            added = None
+            k = 0
+            while time.monotonic() - start < 4.0:
+                if added is None and time.monotonic() - start > 1.2:
+                    store.put_bytes("bucket", "pfx/d/late.bin", b"late")  # made elsewhere
+                    added = time.monotonic()
+                t0 = time.monotonic()
+                assert await core.lookup(d, f"f{k % 200:04d}") is not None
+                assert await core.lookup(d, f"new-{k}") is None
+                if added is not None and seen_late is None and await core.lookup(d, "late.bin") is not None:
+                    seen_late = time.monotonic() - added
+                slowest = max(slowest, time.monotonic() - t0)
+                k += 1
+                await trio.sleep(0.01)
+            assert slowest < LIST_S / 2, f"a lookup waited {slowest:.2f} s for a listing"
+            # Still within the TTL (plus the LIST's own time) for a change made elsewhere...
+            assert seen_late is not None and seen_late <= cfg.metadata_ttl_s + LIST_S + 0.2, seen_late
+            # ... and no more LISTs than one per half TTL.
+            assert store.lists - lists0 <= 4.0 / (cfg.metadata_ttl_s / 2) + 1, store.lists - lists0
+            assert core.stats["listings_ahead"] >= 3
+            await committer.shutdown(drain=True)
+            n.cancel_scope.cancel()
+
+    trio.run(main)
