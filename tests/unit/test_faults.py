@@ -113,6 +113,15 @@ def test_requests_pass_through_on_one_keep_alive_connection(proxy, upstream):
     assert proxy.statistics()["requests"] == 5
 
 
+def test_a_forwarded_request_is_in_the_log_before_its_answer_reaches_the_client(proxy):
+    """Tests count requests in `proxy.log` as soon as their own call returned (a HEAD last of all)."""
+    c = conn(proxy)
+    for i in range(200):
+        c.request("HEAD", f"/obj?{i}")
+        c.getresponse().read()
+        assert len(proxy.log) == i + 1 and proxy.log[-1] == ("HEAD", f"/obj?{i}", "200"), i
+
+
 def test_error_responses_are_answered_without_the_server(proxy, upstream):
     rule = proxy.fail(503, method="GET", path=r"^/obj", times=2)
     c = conn(proxy)
