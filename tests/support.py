@@ -20,11 +20,22 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def delete_prefix(s3, bucket: str, prefix: str) -> None:
+    """Remove every object under prefix and abort every multipart upload still open there.
+
+    The uploads matter against a server the suite did not start (UCFS_TEST_ENDPOINT): one that a
+    test leaves open (a killed daemon, a lost CreateMultipartUpload answer) holds its parts' bytes
+    in the user's bucket for good, listed by nothing but ListMultipartUploads."""
     paginator = s3.get_paginator("list_objects_v2")
     for page in paginator.paginate(Bucket=bucket, Prefix=prefix):
         keys = [{"Key": o["Key"]} for o in page.get("Contents", ())]
         for i in range(0, len(keys), 1000):
             s3.delete_objects(Bucket=bucket, Delete={"Objects": keys[i:i + 1000], "Quiet": True})
+    for page in s3.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=prefix):
+        for u in page.get("Uploads", ()):
+            try:
+                s3.abort_multipart_upload(Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"])
+            except (s3.exceptions.NoSuchUpload, s3.exceptions.NoSuchKey):
+                pass  # finished or aborted meanwhile (RGW answers NoSuchKey)
 
 
 def server_gets(rgw: RGWServer, bucket: str, prefix: str) -> int:
