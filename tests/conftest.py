@@ -18,7 +18,7 @@ import uuid
 
 import pytest
 
-from tests.support import Mount, delete_prefix, make_catalog
+from tests.support import Mount, ProxyStoreRequests, StoreRequests, delete_prefix, make_catalog, proxy_unusable
 from ucfs.testing.faults import FaultProxy
 from ucfs.testing.rgw import RGWServer, S3Endpoint
 
@@ -100,13 +100,32 @@ def prefix(s3, bucket, request) -> str:
 
 
 @pytest.fixture
-def mount_factory(tmp_path, s3_endpoint, bucket, prefix):
+def store_requests(rgw, s3_endpoint, bucket, prefix):
+    """Counts what reached the S3 server (tests.support.StoreRequests): the suite's RGW itself, or a
+    counting loopback proxy in front of an endpoint from the environment. A test that asks for it
+    mounts through `store_requests.endpoint` (mount_factory's default then)."""
+    if rgw is not None:
+        yield StoreRequests(rgw, s3_endpoint, bucket, prefix)
+        return
+    if (why := proxy_unusable(s3_endpoint)) is not None:
+        pytest.skip(f"counts requests at the server: {why}")
+    u = urllib.parse.urlsplit(s3_endpoint.url)
+    with FaultProxy(u.hostname, u.port or 80) as proxy:
+        yield ProxyStoreRequests(proxy, dataclasses.replace(s3_endpoint, url=proxy.url), bucket, prefix)
+
+
+@pytest.fixture
+def mount_factory(tmp_path, s3_endpoint, bucket, prefix, request):
     """Start mounts of this test's prefix: mount_factory(volumes=None, args=(), name='m').
     `open_files`: the soft limit on open files the daemon starts with.
 
-    `endpoint` puts something else in the catalog (a fault-injecting proxy in front of the server)."""
+    `endpoint` puts something else in the catalog (a fault-injecting proxy in front of the server).
+    In a test that asks for `store_requests`, the default is that fixture's endpoint, so that what
+    the mount asks of the store is counted."""
     if (why := _fuse_available()) is not None:
         pytest.fail(f"FUSE is required for integration tests: {why}")
+    if "store_requests" in request.fixturenames:
+        s3_endpoint = request.getfixturevalue("store_requests").endpoint
     mounts: list[Mount] = []
 
     def factory(volumes: dict[str, dict] | None = None, args: tuple[str, ...] = (), name: str = "m",
@@ -136,6 +155,8 @@ def mount(mount_factory) -> Mount:
 def fault_proxy(s3_endpoint):
     """A FaultProxy in front of the S3 server; `fault_proxy.endpoint` is the endpoint to mount through
     (mount_factory(endpoint=fault_proxy.endpoint)). Rules are removed when the test ends."""
+    if (why := proxy_unusable(s3_endpoint)) is not None:
+        pytest.skip(f"injects faults through a proxy: {why}")
     u = urllib.parse.urlsplit(s3_endpoint.url)
     with FaultProxy(u.hostname, u.port or 80, seed=5) as proxy:
         proxy.endpoint = dataclasses.replace(s3_endpoint, url=proxy.url)

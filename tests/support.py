@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +43,65 @@ def server_gets(rgw: RGWServer, bucket: str, prefix: str) -> int:
     """Object GETs (not HEADs) the server answered under bucket/prefix, from its ops log."""
     want = f"GET /{bucket}/{prefix}"
     return sum(1 for e in rgw.ops_log() if str(e.get("uri", "")).startswith(want))
+
+
+def proxy_unusable(endpoint: S3Endpoint) -> str | None:
+    """Why a loopback proxy (ucfs.testing.faults.FaultProxy) cannot sit in front of `endpoint`: it
+    speaks plain HTTP to the server, so an https endpoint (AWS) cannot be reached through it."""
+    u = urllib.parse.urlsplit(endpoint.url)
+    if u.scheme != "http":
+        return (f"needs a plain-HTTP S3 endpoint for a loopback proxy to forward to (MinIO, RGW); "
+                f"{endpoint.url} is {u.scheme}")
+    return None
+
+
+class StoreRequests:
+    """Counts requests that reached the S3 server, for tests that check the mount's own figures
+    against what the server saw.
+
+    With the suite's own RGW it asks the server (its ops log and perf counters), and `endpoint` is
+    the server's. Against an endpoint from the environment (UCFS_TEST_ENDPOINT) nothing on the server
+    can be asked; `endpoint` is then a loopback proxy in front of it that counts every request
+    passing through (`ProxyStoreRequests`), and whatever the test mounts or reads must go through
+    it (mount_factory does so by default when a test asks for `store_requests`)."""
+
+    def __init__(self, rgw: RGWServer, endpoint: S3Endpoint, bucket: str, prefix: str):
+        self.rgw, self.endpoint, self.bucket, self.prefix = rgw, endpoint, bucket, prefix
+
+    def object_gets(self) -> int:
+        """GetObject requests for keys under the test's prefix (not HEADs), from the ops log."""
+        return server_gets(self.rgw, self.bucket, self.prefix)
+
+    def gets_and_heads(self) -> int:
+        """GetObject and HeadObject requests of any key that found their object (a 404 is not
+        counted): RGW's `get` perf counter. (Not the ops log, which drops lines under concurrent
+        requests: RGW 16.2, some entries never appear.)"""
+        return self.rgw.perf_counters()["get"]
+
+
+class ProxyStoreRequests(StoreRequests):
+    """StoreRequests counted by a FaultProxy (no rules: it only forwards) in front of the server."""
+
+    def __init__(self, proxy, endpoint: S3Endpoint, bucket: str, prefix: str):
+        super().__init__(None, endpoint, bucket, prefix)
+        self.proxy = proxy
+
+    def _requests(self) -> list[tuple[str, str, str]]:
+        """(method, target, status) of every request the proxy forwarded, oldest first."""
+        log = list(self.proxy.log)
+        # The proxy keeps its recent requests only; a count taken from a full log would be short.
+        assert len(log) < self.proxy.log.maxlen, "the proxy's request log overflowed: counts are unknown"
+        return log
+
+    def object_gets(self) -> int:
+        want = f"/{self.bucket}/{self.prefix}"
+        return sum(1 for method, target, _ in self._requests() if method == "GET" and target.startswith(want))
+
+    def gets_and_heads(self) -> int:
+        # An object's target is /bucket/key (path style); /bucket?list-type=2... is a listing.
+        return sum(1 for method, target, status in self._requests()
+                   if method in ("GET", "HEAD") and status.startswith("2")
+                   and "/" in target.split("?", 1)[0].lstrip("/"))
 
 
 def obj(s3, bucket: str, key: str) -> bytes:

@@ -1,9 +1,28 @@
 """The suite's own store helpers, against whichever S3 server the suite runs on (its RGW, or the
-endpoint UCFS_TEST_ENDPOINT names): what a test leaves behind is removed."""
+endpoint UCFS_TEST_ENDPOINT names): what a test leaves behind is removed, and request counts that
+tests compare with the mount's own figures count what reached the server (RGW's own counters, or a
+loopback proxy in front of an endpoint from the environment)."""
 
 from __future__ import annotations
 
-from tests.support import delete_prefix, keys
+import dataclasses
+import urllib.parse
+
+import boto3
+import botocore.config
+import pytest
+
+from tests.support import ProxyStoreRequests, delete_prefix, keys, proxy_unusable, wait_until
+from ucfs.testing.rgw import S3Endpoint
+from ucfs.testing.faults import FaultProxy
+
+
+def client(endpoint):
+    return boto3.client("s3", endpoint_url=endpoint.url, aws_access_key_id=endpoint.access_key,
+                        aws_secret_access_key=endpoint.secret_key, region_name=endpoint.region,
+                        config=botocore.config.Config(s3={"addressing_style": "path"},
+                                                      request_checksum_calculation="when_required",
+                                                      response_checksum_validation="when_required"))
 
 
 def open_uploads(s3, bucket, prefix) -> list[str]:
@@ -23,3 +42,47 @@ def test_delete_prefix_removes_objects_and_open_uploads_under_it_only(s3, bucket
     assert open_uploads(s3, bucket, f"{prefix}/") == [kept]
     delete_prefix(s3, bucket, f"{prefix}/")  # what the `prefix` fixture does when a test ends
     assert keys(s3, bucket, f"{prefix}/") == [] and open_uploads(s3, bucket, f"{prefix}/") == []
+
+
+def test_an_https_endpoint_has_no_loopback_proxy_and_says_why():
+    # The proxy would send plain HTTP to port 80 (or to the TLS port) of a server that wants TLS.
+    assert "https" in proxy_unusable(S3Endpoint("https://s3.eu-west-1.amazonaws.com", "k", "s", "eu-west-1"))
+    assert proxy_unusable(S3Endpoint("http://127.0.0.1:9000", "k", "s")) is None
+
+
+def test_a_counting_proxy_counts_object_gets_and_heads(s3_endpoint, s3, bucket, prefix):
+    if (why := proxy_unusable(s3_endpoint)) is not None:
+        pytest.skip(why)
+    u = urllib.parse.urlsplit(s3_endpoint.url)
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/a", Body=b"a")
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/other", Body=b"o")
+    with FaultProxy(u.hostname, u.port or 80) as proxy:
+        ep = dataclasses.replace(s3_endpoint, url=proxy.url)
+        counted = ProxyStoreRequests(proxy, ep, bucket, f"{prefix}/vol/")
+        c = client(ep)
+        assert (counted.object_gets(), counted.gets_and_heads()) == (0, 0)
+        assert c.get_object(Bucket=bucket, Key=f"{prefix}/vol/a")["Body"].read() == b"a"
+        c.head_object(Bucket=bucket, Key=f"{prefix}/vol/a")
+        with pytest.raises(c.exceptions.ClientError):
+            c.head_object(Bucket=bucket, Key=f"{prefix}/vol/missing")  # found nothing: not a HEAD served
+        c.get_object(Bucket=bucket, Key=f"{prefix}/other")["Body"].read()  # not under the prefix
+        c.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/vol/")  # a listing, not an object
+        assert counted.object_gets() == 1
+        assert counted.gets_and_heads() == 3
+
+
+def test_store_requests_counts_what_reaches_the_server_and_mounts_go_through_it(store_requests, mount_factory,
+                                                                               s3, bucket, prefix):
+    m = mount_factory(start=False)
+    assert m.endpoint == store_requests.endpoint  # what the test mounts is counted
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/a", Body=b"a")
+    c = client(store_requests.endpoint)
+    gets, both = store_requests.object_gets(), store_requests.gets_and_heads()
+    c.get_object(Bucket=bucket, Key=f"{prefix}/vol/a")["Body"].read()
+    c.get_object(Bucket=bucket, Key=f"{prefix}/vol/a")["Body"].read()
+    c.head_object(Bucket=bucket, Key=f"{prefix}/vol/a")
+    with pytest.raises(c.exceptions.ClientError):
+        c.head_object(Bucket=bucket, Key=f"{prefix}/vol/missing")  # as a mount's lookup of a directory
+    # RGW writes an ops-log line a few ms after its answer.
+    assert wait_until(lambda: store_requests.object_gets() - gets == 2, 5), store_requests.object_gets() - gets
+    assert store_requests.gets_and_heads() - both == 3

@@ -40,10 +40,6 @@ def credentials(monkeypatch, s3_endpoint):
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
 
 
-def server_gets(rgw) -> int | None:
-    return rgw.perf_counters()["get"] if rgw is not None else None
-
-
 def test_the_mount_describes_its_volumes_without_credentials(mount, s3_endpoint, bucket, prefix):
     mp = find_mountpoint(str(mount.path()))
     assert mp == str(mount.mountpoint)
@@ -61,9 +57,10 @@ def test_the_mount_describes_its_volumes_without_credentials(mount, s3_endpoint,
     assert not path.exists()  # a mount that is gone describes nothing
 
 
-def test_direct_fills_bypass_the_daemon_and_match_the_store(mount, samples, credentials, tmp_path, rgw):
+def test_direct_fills_bypass_the_daemon_and_match_the_store(mount, samples, credentials, tmp_path,
+                                                            store_requests):
     ds = UCVolumeDataset(mount.path() / "data", cache_dir=tmp_path / "cache", free_floor_bytes=0, direct=True)
-    mount_gets, before = mount.store_stats().get("get", 0), server_gets(rgw)
+    mount_gets, before = mount.store_stats().get("get", 0), store_requests.gets_and_heads()
     loader = DataLoader(ds, batch_size=4, num_workers=2)
     got = [p for batch in loader for p in batch]
     assert sorted(sample_name(p) for p in got) == sorted(samples)
@@ -74,15 +71,13 @@ def test_direct_fills_bypass_the_daemon_and_match_the_store(mount, samples, cred
     st = ds.statistics()
     assert st["misses"] == st["direct"] == N_FILES  # every copy was one GET of our own...
     assert mount.store_stats().get("get", 0) == mount_gets  # ...and the daemon fetched nothing
-    if before is not None:
-        assert server_gets(rgw) - before == N_FILES
+    assert store_requests.gets_and_heads() - before == N_FILES
     # Epoch 2: all hits, nothing asked of anyone.
-    before = server_gets(rgw)
+    before = store_requests.gets_and_heads()
     ds.set_epoch(1)
     assert len([p for batch in loader for p in batch]) == N_FILES
     assert ds.statistics()["direct"] == N_FILES and ds.statistics()["hits"] == N_FILES
-    if before is not None:
-        assert server_gets(rgw) == before
+    assert store_requests.gets_and_heads() == before
 
 
 def test_versions_the_store_does_not_hold_are_copied_through_the_mount(mount, samples, credentials, tmp_path, s3,
