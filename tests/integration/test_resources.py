@@ -41,7 +41,7 @@ def proc_status(pid: int) -> dict[str, int]:
 
 
 def store_connections(pid: int, port: int) -> int:
-    """TCP connections of process `pid` to local port `port` (the store), from /proc."""
+    """TCP connections of process `pid` to remote port `port` (the store's), from /proc."""
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
@@ -153,7 +153,8 @@ def test_memory_threads_connections_and_cache_stay_bounded(mount_factory, s3_end
     os.listdir(v / "r")
     time.sleep(2)  # settle: the cache scan and first requests are done
     baseline = proc_status(m.proc.pid)
-    port = urllib.parse.urlsplit(s3_endpoint.url).port
+    u = urllib.parse.urlsplit(s3_endpoint.url)
+    port = u.port or {"https": 443, "http": 80}[u.scheme]  # an endpoint from the environment may omit it
     watcher = Watcher(m, port)
     watcher.start()
 
@@ -207,8 +208,9 @@ def test_memory_threads_connections_and_cache_stay_bounded(mount_factory, s3_end
     assert status["readahead_peak_bytes"] <= budget + readers * 2 * request, figures
     # Threads: the store's pool, the disk pool, the journal, a few of trio's and ours; not one per file.
     assert peak["Threads"] <= concurrency + 16 + 12, figures
-    # Connections: the store client's pool, never one per request or per file.
-    assert peak["connections"] <= concurrency, figures
+    # Connections: the store client's pool, never one per request or per file (and some were seen:
+    # the count is of the right port).
+    assert 1 <= peak["connections"] <= concurrency, figures
     # The cache limit holds while everything runs, and on disk afterwards.
     assert peak["cache_used"] <= cache_limit, figures
     assert du_bytes(m.state_dir / "cache") <= cache_limit + 256 * KiB, figures
