@@ -18,7 +18,8 @@ import uuid
 
 import pytest
 
-from tests.support import Mount, ProxyStoreRequests, StoreRequests, delete_prefix, make_catalog, proxy_unusable
+from tests.support import (Mount, ProxyStoreRequests, StoreRequests, delete_prefix, ensure_bucket, make_catalog,
+                           proxy_unusable)
 from ucfs.testing.faults import FaultProxy
 from ucfs.testing.rgw import RGWServer, S3Endpoint
 
@@ -82,12 +83,9 @@ def s3(s3_endpoint):
 
 
 @pytest.fixture(scope="session")
-def bucket(s3) -> str:
+def bucket(s3, s3_endpoint) -> str:
     name = os.environ.get("UCFS_TEST_BUCKET", "ucfs-test")
-    try:
-        s3.create_bucket(Bucket=name)
-    except s3.exceptions.BucketAlreadyOwnedByYou:
-        pass
+    ensure_bucket(s3, name, s3_endpoint.region)
     return name
 
 

@@ -39,6 +39,27 @@ def delete_prefix(s3, bucket: str, prefix: str) -> None:
                 pass  # finished or aborted meanwhile (RGW answers NoSuchKey)
 
 
+def ensure_bucket(s3, name: str, region: str) -> None:
+    """Make sure bucket `name` exists and these credentials may use it; create it if missing.
+
+    Outside us-east-1 a new bucket must name its region (AWS refuses it otherwise), and a name
+    someone else owns (on AWS, a short one like ucfs-test surely is) answers 403: say so, once,
+    instead of every test failing on AccessDenied."""
+    try:
+        s3.head_bucket(Bucket=name)
+        return
+    except s3.exceptions.ClientError as e:
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if status != 404:
+            raise RuntimeError(f"bucket {name!r} exists but these credentials may not use it (HTTP {status}): "
+                               f"set UCFS_TEST_BUCKET to a bucket of your own") from None
+    kw = {} if region == "us-east-1" else {"CreateBucketConfiguration": {"LocationConstraint": region}}
+    try:
+        s3.create_bucket(Bucket=name, **kw)
+    except s3.exceptions.BucketAlreadyOwnedByYou:
+        pass  # another test process made it meanwhile
+
+
 def server_gets(rgw: RGWServer, bucket: str, prefix: str) -> int:
     """Object GETs (not HEADs) the server answered under bucket/prefix, from its ops log."""
     want = f"GET /{bucket}/{prefix}"

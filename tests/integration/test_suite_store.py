@@ -12,7 +12,7 @@ import boto3
 import botocore.config
 import pytest
 
-from tests.support import ProxyStoreRequests, delete_prefix, keys, proxy_unusable, wait_until
+from tests.support import ProxyStoreRequests, delete_prefix, ensure_bucket, keys, proxy_unusable, wait_until
 from ucfs.testing.rgw import S3Endpoint
 from ucfs.testing.faults import FaultProxy
 
@@ -86,3 +86,32 @@ def test_store_requests_counts_what_reaches_the_server_and_mounts_go_through_it(
     # RGW writes an ops-log line a few ms after its answer.
     assert wait_until(lambda: store_requests.object_gets() - gets == 2, 5), store_requests.object_gets() - gets
     assert store_requests.gets_and_heads() - both == 3
+
+
+def stubbed_client(region):
+    from botocore.stub import Stubber
+
+    c = boto3.client("s3", region_name=region, aws_access_key_id="k", aws_secret_access_key="s")
+    return c, Stubber(c)
+
+
+def test_the_test_bucket_is_made_in_the_endpoints_region_and_a_foreign_one_is_named():
+    # Outside us-east-1 AWS refuses a CreateBucket that names no region.
+    c, stub = stubbed_client("eu-west-1")
+    stub.add_client_error("head_bucket", http_status_code=404, expected_params={"Bucket": "b"})
+    stub.add_response("create_bucket", {}, {"Bucket": "b",
+                                            "CreateBucketConfiguration": {"LocationConstraint": "eu-west-1"}})
+    with stub:
+        ensure_bucket(c, "b", "eu-west-1")
+    stub.assert_no_pending_responses()
+    c, stub = stubbed_client("us-east-1")
+    stub.add_client_error("head_bucket", http_status_code=404, expected_params={"Bucket": "b"})
+    stub.add_response("create_bucket", {}, {"Bucket": "b"})
+    with stub:
+        ensure_bucket(c, "b", "us-east-1")
+    stub.assert_no_pending_responses()
+    # A name someone else owns: one message that says what to do, not AccessDenied in every test.
+    c, stub = stubbed_client("us-east-1")
+    stub.add_client_error("head_bucket", http_status_code=403, expected_params={"Bucket": "ucfs-test"})
+    with stub, pytest.raises(RuntimeError, match="UCFS_TEST_BUCKET"):
+        ensure_bucket(c, "ucfs-test", "us-east-1")
