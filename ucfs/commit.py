@@ -1612,7 +1612,7 @@ class Committer:
         vol = s.volume
         try:
             st.upload_id = await self._start_upload(vol, self.core.store_for(vol), st.key)
-        except errors.StoreError as e:
+        except OSError as e:  # the store's refusal, or the journal's (a full staging disk)
             st.error = e
             st.valid = False
         finally:

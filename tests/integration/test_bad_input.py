@@ -188,6 +188,42 @@ def test_a_full_cache_disk_refuses_new_writes_keeps_closed_files_and_reads_uncac
           f"cache {cache}")
 
 
+def test_a_disk_filling_under_a_streaming_writer_is_enospc_and_the_mount_lives_on(
+        fault_proxy, small_disk, mount_factory, s3, bucket, prefix):
+    """The staging disk fills while a large file is being written, its upload already streaming:
+    the journal (on the same disk) cannot record the upload either. The writer gets ENOSPC; the
+    daemon must not die of the journal's failure (it did: every file of the mount was gone, closed
+    ones waiting for their commits included), and writing works again once there is room."""
+    m = mount_factory(args=("--cache-dir", str(small_disk / "state"), "--min-free", "8M"),
+                      endpoint=fault_proxy.endpoint)
+    v = m.path()
+    (v / "before.bin").write_bytes(b"closed before")
+    # The stream's upload is created slowly: the disk is full by the time its id is to be recorded.
+    fault_proxy.stall(2.0, method="POST", path=r"\?uploads")
+    fd = os.open(v / "big.bin", os.O_CREAT | os.O_WRONLY | os.O_TRUNC)
+    try:
+        def fill_it():
+            for _ in range(64):
+                os.write(fd, os.urandom(MiB))
+        assert errno_of(fill_it) == errno.ENOSPC
+        time.sleep(3)  # the upload's creation answers meanwhile
+        assert m.proc.poll() is None, m.log_tail()
+        assert errno_of(lambda: os.fsync(fd)) is not None  # the disk is full: nothing can be recorded
+    finally:
+        closed = errno_of(lambda: os.close(fd))
+    assert closed is not None
+    assert m.proc.poll() is None, m.log_tail()
+    assert (v / "before.bin").read_bytes() == b"closed before"
+    fault_proxy.clear()
+    os.unlink(v / "big.bin")  # room again
+    (v / "after.bin").write_bytes(b"room again")
+    sync_dir(v)
+    assert obj(s3, bucket, f"{prefix}/vol/before.bin") == b"closed before"
+    assert obj(s3, bucket, f"{prefix}/vol/after.bin") == b"room again"
+    log = m.log_path.read_text(errors="replace")
+    assert "Traceback" not in log
+
+
 # --------------------------------------------------------------------------------------------------
 # Damaged local state
 
