@@ -25,6 +25,7 @@ one, so 64 files closed at once cost a few fsyncs, not 64. sqlite runs in one de
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sqlite3
@@ -180,7 +181,10 @@ class Journal:
                     waiter["rowid"] = cur.lastrowid
             cur.execute("COMMIT")
         except BaseException:
-            cur.execute("ROLLBACK")
+            # sqlite has already rolled back after some errors (a full disk among them): a second
+            # rollback would fail and hide the error that says why.
+            if self._db.in_transaction:
+                cur.execute("ROLLBACK")
             raise
 
     def note_new_file(self, name: str) -> None:
@@ -210,7 +214,10 @@ class Journal:
         self._enqueue(sql, params, waiter, names_file)
         await waiter["done"].wait()
         if "error" in waiter:
-            raise OSError(5, f"commit journal write failed: {waiter['error']}")
+            e = waiter["error"]
+            full = getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or (
+                isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT))
+            raise OSError(errno.ENOSPC if full else errno.EIO, f"commit journal write failed: {e}")
         return waiter.get("rowid", 0)
 
     def _next_seq(self) -> int:
