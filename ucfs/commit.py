@@ -1249,7 +1249,10 @@ class Committer:
                 except errors.StoreError as e:
                     self._failed(s, e)
                 except OSError as e:
-                    self._failed(s, errors.StoreError(e.errno or errors.EIO, str(e)))
+                    # This host's own trouble. A full disk (the journal's, or the cache's) passes:
+                    # retried like a store's 503, not reported failed until the next fsync().
+                    self._failed(s, errors.StoreError(e.errno or errors.EIO, str(e),
+                                                      transient=e.errno in (errno.ENOSPC, errno.EDQUOT)))
                 except Exception as e:  # noqa: BLE001 - a bug must not kill the worker pool
                     log.exception("commit of %s failed unexpectedly", s.node.mount_path())
                     self._failed(s, errors.StoreError(errors.EIO, f"unexpected: {e!r}", transient=True))

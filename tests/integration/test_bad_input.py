@@ -224,6 +224,31 @@ def test_a_disk_filling_under_a_streaming_writer_is_enospc_and_the_mount_lives_o
     assert "Traceback" not in log and "cannot rollback" not in log
 
 
+def test_a_commit_the_full_staging_disk_holds_up_goes_on_once_there_is_room(
+        fault_proxy, small_disk, mount_factory, s3, bucket, prefix):
+    """A closed file large enough for a multipart upload, whose commit is retried while the staging
+    disk is full: the upload cannot be recorded in the journal (same disk). That is a passing
+    condition of this host, not the store refusing the file: the commit must go on by itself once
+    there is room, not be reported failed for good until someone calls fsync."""
+    m = mount_factory(args=("--cache-dir", str(small_disk / "state"), "--min-free", "8M"),
+                      endpoint=fault_proxy.endpoint)
+    v = m.path()
+    hold = fault_proxy.fail(503, method="PUT|POST")
+    data = os.urandom(17 * MiB)  # more than one PUT takes
+    (v / "big.bin").write_bytes(data)
+    assert wait_until(lambda: m.status()["commits"].get("retries", 0) >= 1, timeout=30)
+    fill(small_disk / "filler")
+    hold.disable()
+    # Retries meet the full disk now.
+    assert wait_until(lambda: "database or disk is full" in m.log_tail(400), timeout=60), m.log_tail()
+    os.unlink(small_disk / "filler")
+    assert wait_until(lambda: f"{prefix}/vol/big.bin" in keys(s3, bucket, prefix), timeout=90), \
+        (m.status()["commits"], m.log_tail())
+    assert obj(s3, bucket, f"{prefix}/vol/big.bin") == data
+    assert m.status()["commits"]["failed"] == 0
+    assert "failed permanently" not in m.log_path.read_text(errors="replace")
+
+
 # --------------------------------------------------------------------------------------------------
 # Damaged local state
 
