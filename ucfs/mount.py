@@ -317,7 +317,9 @@ async def _check_volumes(catalog: Catalog, stores: dict[str, AsyncStore]) -> Non
                             "not answer within 30 s")
         except errors.StoreError as e:
             where = vol.store.endpoint_url or ("AWS" if vol.store.kind == "s3" else "local disk")
-            if e.errno == errors.ENXIO or e.status == 404:
+            if vol.store.kind == "local":  # a directory, not a bucket: the store says what is wrong
+                problems.append(f"volume {vol.full_name}: {e.strerror}")
+            elif e.errno == errors.ENXIO or e.status == 404:
                 problems.append(f"volume {vol.full_name}: bucket {vol.bucket!r} does not exist at {where}")
             elif e.errno == errors.EACCES:
                 problems.append(f"volume {vol.full_name}: access to bucket {vol.bucket!r} denied at "

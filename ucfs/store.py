@@ -917,8 +917,9 @@ class LocalStore:
 
     def check_bucket(self, bucket: str) -> None:
         if not os.path.isdir(bucket):
-            raise errors.StoreError(errors.ENXIO, f"local store directory {bucket!r} does not exist",
-                                    code="NoSuchBucket")
+            why = (f"{bucket!r} is not a directory" if os.path.lexists(bucket)
+                   else f"local directory {bucket!r} does not exist")
+            raise errors.StoreError(errors.ENXIO, why, code="NoSuchBucket")
 
 
 # --------------------------------------------------------------------------------------------------

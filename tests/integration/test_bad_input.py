@@ -449,6 +449,31 @@ def test_a_malformed_catalog_is_one_message_naming_file_and_line(tmp_path, case)
     assert not (tmp_path / "state").exists()  # refused before anything was made
 
 
+@pytest.mark.parametrize("case", ["missing", "a file"])
+def test_a_local_location_that_is_no_directory_is_one_message_saying_so(tmp_path, case):
+    """A volume on a local directory that is missing, or a file: the message says which, about a
+    directory (it spoke of a "bucket ... at local disk", and called the file missing)."""
+    where = tmp_path / "data"
+    if case == "a file":
+        where.write_text("x")
+    cat = tmp_path / "catalog.toml"
+    cat.write_text(f'[volumes."a.b.c"]\nlocation = "{where}"\n')
+    mnt = tmp_path / "mnt"
+    try:
+        r = subprocess.run([sys.executable, "-m", "ucfs", "mount", str(mnt), "--config", str(cat), "--foreground",
+                            "--cache-dir", str(tmp_path / "state")], capture_output=True, text=True, timeout=60,
+                           cwd=REPO)
+    finally:
+        if os.path.ismount(mnt):
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    want = "is not a directory" if case == "a file" else "does not exist"
+    assert lines[0].startswith("ucfs: volume a.b.c: ") and str(where) in lines[0] and want in lines[0], lines[0]
+    assert "bucket" not in lines[0], lines[0]
+
+
 # --------------------------------------------------------------------------------------------------
 # Bad mount options
 
