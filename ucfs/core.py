@@ -612,6 +612,15 @@ class Core:
         self.inodes.forget(ino, n)
 
     # -- getattr --------------------------------------------------------------------------------
+    def access(self, ino: int, mode: int, caller: Caller | None = None) -> None:
+        """access(2): raise what a write (W_OK) or a run (X_OK) of ino would fail with. Without an
+        answer the kernel takes every access for granted: `test -w` held a read-only volume writable."""
+        node = self.node(ino)
+        if mode & os.X_OK and node.kind is Kind.FILE:
+            raise errors.fs_error(errors.EACCES, "no file here is executable (modes are not stored)")
+        if mode & os.W_OK:
+            self.check_write(node, caller)
+
     async def getattr(self, ino: int, caller: Caller | None = None) -> Attributes:
         node = self.node(ino)
         if node.kind is Kind.FILE and node.staged is None and not node.deleted and not node.attrs_fresh():

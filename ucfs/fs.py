@@ -126,6 +126,11 @@ class Operations(pyfuse3.Operations):
     async def getattr(self, inode, ctx=None):
         return _entry(await self.core.getattr(inode, _caller(ctx)))
 
+    @_translate
+    async def access(self, inode, mode, ctx):
+        self.core.access(inode, mode, _caller(ctx))
+        return True
+
     # -- directories ----------------------------------------------------------------------------
     @_translate
     async def opendir(self, inode, ctx):

@@ -64,6 +64,12 @@ for op, *args in json.loads(sys.argv[1]):
             os.chmod(args[0], 0o600); r = "ok"
         elif op == "utime":
             os.utime(args[0], (1, 1)); r = "ok"
+        elif op == "may_write":  # access(2) with W_OK, as `test -w` asks
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.access(args[0].encode(), os.W_OK) != 0:
+                raise OSError(ctypes.get_errno(), "access")
+            r = "ok"
         else:
             r = "unknown op"
     except OSError as e:
@@ -151,12 +157,13 @@ def test_read_only_grant_refuses_writes_with_eacces(granted, s3, bucket, prefix)
     f = str(vol / "hello.txt")
     bob = as_user(BOB, BOB, [["read", f], ["write", str(vol / "new.txt"), "x"], ["append", f, "x"],
                              ["truncate", f], ["mkdir", str(vol / "d")], ["unlink", f],
-                             ["rename", f, str(vol / "moved.txt")], ["chmod", f], ["utime", f]])
+                             ["rename", f, str(vol / "moved.txt")], ["chmod", f], ["utime", f],
+                             ["may_write", f], ["may_write", str(vol)]])
     assert bob[0] == "hello from g.s.readonly_grant"
-    assert bob[1:] == ["EACCES"] * 8
+    assert bob[1:] == ["EACCES"] * 10  # access(2) says so too, not "writable" for every file
     alice = as_user(ALICE, ALICE, [["write", str(vol / "by-alice.txt"), "mine"],
-                                   ["read", str(vol / "by-alice.txt")]])
-    assert alice == ["ok", "mine"]
+                                   ["read", str(vol / "by-alice.txt")], ["may_write", f]])
+    assert alice == ["ok", "mine", "ok"]
     # Team members write in their volume; others do not even see it.
     team = granted.mountpoint / "g" / "s" / "team"
     assert as_user(CAROL, CAROL, [["write", str(team / "t.txt"), "team work"]], groups=(TEAM,)) == ["ok"]
@@ -171,8 +178,12 @@ def test_read_only_grant_refuses_writes_with_eacces(granted, s3, bucket, prefix)
 def test_read_only_volume_is_erofs_for_everyone(granted):
     vol = granted.mountpoint / "g" / "s" / "frozen"
     ops = [["read", str(vol / "hello.txt")], ["write", str(vol / "new.txt"), "x"], ["mkdir", str(vol / "d")],
-           ["unlink", str(vol / "hello.txt")], ["chmod", str(vol / "hello.txt")], ["utime", str(vol / "hello.txt")]]
-    assert as_user(ALICE, ALICE, ops) == ["hello from g.s.frozen"] + ["EROFS"] * 5
+           ["unlink", str(vol / "hello.txt")], ["chmod", str(vol / "hello.txt")], ["utime", str(vol / "hello.txt")],
+           ["may_write", str(vol / "hello.txt")]]
+    assert as_user(ALICE, ALICE, ops) == ["hello from g.s.frozen"] + ["EROFS"] * 6
+    # access(2) as root: `test -w` says no, with the reason
+    for p in (vol / "hello.txt", vol, granted.mountpoint / "g"):
+        assert as_user(0, 0, [["may_write", str(p)]]) == ["EROFS"], p
     # root too: the volume itself is read-only, and so are the synthetic levels above volumes
     for change in (lambda: (vol / "root.txt").write_bytes(b"x"), lambda: os.chmod(vol / "hello.txt", 0o600),
                    lambda: os.chown(vol / "hello.txt", 0, 0), lambda: os.utime(vol / "hello.txt", (1, 1)),
