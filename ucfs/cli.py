@@ -424,6 +424,11 @@ def format_status(mnt: str, st: dict) -> str:
         lines.append(f"  commits: {cm.get('pending', 0)} pending ({cm.get('pending_bytes', 0) / 2**20:.1f} MiB), "
                      f"{cm.get('failed', 0)} failed, {cm.get('committed', 0)} committed, "
                      f"{cm.get('retries', 0)} retried")
+        free, reserve = cm.get("staging_free_bytes"), cm.get("staging_reserve_bytes")
+        # The cache shares the disk and gives up its blocks for new writes first.
+        if free is not None and reserve is not None and free + c.get("used_bytes", 0) < reserve:
+            lines.append(f"  staging disk full: {free / 2**20:.1f} MiB free of the {reserve / 2**20:.0f} MiB kept "
+                         f"free ({cm.get('staging_dir', '')}): new writes fail with ENOSPC until there is room")
         for item in cm.get("items", []):
             lines.append(f"    {item['state']:<9} {item['path']}  {item['size']} bytes, age {item['age_s']:.0f} s, "
                          f"attempts {item['attempts']}" + (f", error: {item['error']}" if item.get("error") else ""))

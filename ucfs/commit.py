@@ -1894,6 +1894,13 @@ class Committer:
                               "open" if s.writers else ("uploading" if s.commit_lock.locked() else "queued")),
                           "error": str(s.error) if s.error is not None else ""})
         out = dict(self.stats)
+        # The room new writes need on the staging disk (a statfs): without it they fail with ENOSPC.
+        try:
+            st = os.statvfs(self.staging_dir)
+            out.update(staging_free_bytes=st.f_bavail * st.f_frsize,
+                       staging_reserve_bytes=self.cfg.cache_free_floor_bytes // 4, staging_dir=str(self.staging_dir))
+        except OSError:
+            pass
         out.update(pending=len(pending), failed=sum(1 for s in pending if s.error is not None),
                    writing=sum(1 for s in pending if s.error is None and s.writers and s.kept is None),
                    pending_bytes=sum(s.size for s in pending), staged_files=len(self.staged), items=items)

@@ -206,6 +206,9 @@ def test_a_disk_filling_under_a_streaming_writer_is_enospc_and_the_mount_lives_o
             for _ in range(64):
                 os.write(fd, os.urandom(MiB))
         assert errno_of(fill_it) == errno.ENOSPC
+        status = subprocess.run([sys.executable, "-m", "ucfs", "status", str(m.mountpoint)], capture_output=True,
+                                text=True, timeout=60, cwd=REPO)
+        assert "staging disk full" in status.stdout and "ENOSPC" in status.stdout, status.stdout  # says why
         time.sleep(3)  # the upload's creation answers meanwhile
         assert m.proc.poll() is None, m.log_tail()
         assert errno_of(lambda: os.fsync(fd)) == errno.ENOSPC  # not EIO: the journal's disk is full
@@ -216,6 +219,9 @@ def test_a_disk_filling_under_a_streaming_writer_is_enospc_and_the_mount_lives_o
     assert (v / "before.bin").read_bytes() == b"closed before"
     fault_proxy.clear()
     os.unlink(v / "big.bin")  # room again
+    assert wait_until(lambda: "staging disk full" not in subprocess.run(
+        [sys.executable, "-m", "ucfs", "status", str(m.mountpoint)], capture_output=True, text=True, timeout=60,
+        cwd=REPO).stdout, timeout=20)
     (v / "after.bin").write_bytes(b"room again")
     sync_dir(v)
     assert obj(s3, bucket, f"{prefix}/vol/before.bin") == b"closed before"
