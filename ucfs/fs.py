@@ -53,6 +53,10 @@ def _errno_of(op: str, e: OSError) -> int:
     err = e.errno or errors.EIO
     if err == errors.EIO:
         log.error("%s: I/O error: %s", op, e)  # the log line that says why
+    elif isinstance(e, errors.StoreError) and err not in (errors.ENOENT, errors.ESTALE):
+        # The store refused (access denied, its bucket gone, a key it will not take): the caller
+        # sees only EACCES or ENXIO, and nothing of ours decided it, so the log says what the store did.
+        log.warning("%s: %s from the store: %s", op, os.strerror(err), e)
     elif err == errors.ENOENT and log.isEnabledFor(logging.DEBUG):
         log.debug("%s: ENOENT: %s", op, e)  # why something vanished, for races a soak finds
     return err

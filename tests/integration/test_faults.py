@@ -155,6 +155,33 @@ def test_reads_fail_with_eio_after_the_retry_budget_then_recover(fault_proxy, mo
     report(f"reads until EIO, seconds to give up {took}", fault_proxy)
 
 
+def test_a_store_refusing_a_listing_or_lookup_is_its_errno_and_a_log_line_saying_why(
+        fault_proxy, mount_factory, s3, bucket, prefix):
+    """403 (a policy, expired credentials) or a bucket deleted under the mount: the caller gets
+    EACCES or ENXIO, which nothing on this host decided, so the log must say what the store
+    answered. It said nothing (only EIO was logged): `ls` as root failing with "Permission denied"
+    left no trace of why."""
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/a/x.bin", Body=b"x")
+    m = proxied(mount_factory, fault_proxy)
+    v = m.path()
+    listing = rf"^/{bucket}\?.*list-type=2"
+    cases = [("403 on a listing", lambda: fault_proxy.fail(403, method="GET", path=listing), v / "a", os.listdir,
+              errno.EACCES, "AccessDenied"),
+             ("bucket gone", lambda: fault_proxy.fail(404, code="NoSuchBucket", method="GET", path=listing),
+              v / "b", os.listdir, errno.ENXIO, "NoSuchBucket"),
+             ("403 on a lookup", lambda: fault_proxy.fail(403, method="HEAD|GET"), v / "c.bin", os.stat,
+              errno.EACCES, "AccessDenied")]
+    for what, fault, path, op, want, code in cases:
+        rule = fault()
+        with pytest.raises(OSError) as e:
+            op(path)
+        assert e.value.errno == want, (what, e.value)
+        rule.disable()
+        assert re.search(rf" WARNING ucfs\.fs: \w+: {re.escape(os.strerror(want))} from the store: .*code={code}",
+                         m.log_path.read_text()), (what, m.log_tail())
+    assert os.listdir(v / "a") == ["x.bin"]  # nothing of it stays once the store answers again
+
+
 def test_random_faults_never_give_wrong_bytes(fault_proxy, mount_factory, s3, bucket, prefix):
     """Many faults at random: each whole-file read is the object exactly, or EIO; nothing else."""
     files = {f"{prefix}/vol/r/{i}.bin": os.urandom(random.Random(i).randrange(1, 3 * MiB)) for i in range(24)}
