@@ -24,6 +24,7 @@ import os
 import pwd
 import re
 import tomllib
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -181,6 +182,13 @@ class Catalog:
                 if k in s and not isinstance(s[k], str):
                     raise ConfigError(f"{where('stores', sname, k)}: {k} of [stores.{sname}] "
                                       "must be a string")
+            if s.get("endpoint_url"):
+                # Checked here, with its line: at mount time a bad one was "Port out of range
+                # 0-65535" or "unsupported endpoint", naming neither the file nor the key.
+                why = _bad_endpoint(s["endpoint_url"])
+                if why:
+                    raise ConfigError(f"{where('stores', sname, 'endpoint_url')}: endpoint_url of "
+                                      f"[stores.{sname}] {s['endpoint_url']!r}: {why}")
             for k in ("path_style", "payload_signing"):
                 if k in s and not isinstance(s[k], bool):
                     raise ConfigError(f"{where('stores', sname, k)}: {k} of [stores.{sname}] must be "
@@ -297,6 +305,22 @@ class _LineIndex:
         if key is not None and (table, key) in self.keys:
             return self.keys[(table, key)]
         return self.headers.get(table)
+
+
+def _bad_endpoint(url: str) -> str:
+    """Why `url` cannot be a store's endpoint, or "" when it can."""
+    u = urllib.parse.urlsplit(url)
+    if u.scheme not in ("http", "https"):
+        return "must start with http:// or https://"
+    try:
+        port = u.port
+    except ValueError:
+        return "its port is not a number from 1 to 65535"
+    if not u.hostname:
+        return "names no host"
+    if port == 0:
+        return "its port is not a number from 1 to 65535"
+    return ""
 
 
 def parse_grants(entries) -> Grants:

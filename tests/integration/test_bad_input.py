@@ -431,6 +431,11 @@ CATALOGS = {
     "s3 volume on the local store": (GOOD + '[volumes."a.b.c"]\nlocation = "s3://b/x"\nstore = "local"\n', 10,
                                      "built-in store of volumes on local directories"),
     "not utf-8": (GOOD.encode() + b'[volumes."a.b.c"]\nlocation = "s3://b/\xff"\n', 9, "UTF-8"),
+    # Refused at mount time, as "Port out of range 0-65535" or "unsupported endpoint", with no file or line.
+    "endpoint port out of range": ('[stores.s]\nregion = "r"\nendpoint_url = "http://127.0.0.1:99999"\n\n'
+                                   '[volumes."a.b.c"]\nlocation = "s3://b/x"\nstore = "s"\n', 3, "port"),
+    "endpoint without scheme": ('[stores.s]\nendpoint_url = "127.0.0.1:9000"\n\n[volumes."a.b.c"]\n'
+                                'location = "s3://b/x"\nstore = "s"\n', 2, "http://"),
 }
 
 
