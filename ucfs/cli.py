@@ -298,6 +298,8 @@ def read_status(mountpoint: str) -> dict:
                                     f"exited); clear it with: fusermount3 -u -z {mountpoint}") from None
             raise NoDaemonError(f"{mountpoint} is a dead ucfs mount (its daemon has exited); clear it "
                                 f"with: ucfs unmount {mountpoint}") from None
+        if mountpoint not in _ucfs_mounts():  # a plain directory, a typo: nothing there to answer
+            raise NoDaemonError(f"{mountpoint} is not a ucfs mount") from None
         raise
 
 

@@ -116,6 +116,19 @@ def test_status_names_a_dead_mount_and_unmount_clears_it(mount_factory):
     assert m.stop() == 0
 
 
+@pytest.mark.parametrize("what", ["a plain directory", "missing"])
+def test_status_of_a_place_that_is_no_mount_says_so(tmp_path, what):
+    """It said "no ucfs daemon answers for this mountpoint", as of a mount whose daemon is gone."""
+    place = tmp_path / "here"
+    if what == "a plain directory":
+        place.mkdir()
+    for args in (["status", str(place)], ["status", "--json", str(place)]):
+        r = subprocess.run([sys.executable, "-m", "ucfs", *args], cwd=REPO, capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 1
+        assert r.stderr.strip() == f"ucfs: {place} is not a ucfs mount", r.stderr
+
+
 def test_status_json_is_one_document_keyed_by_mountpoint(mount_factory):
     """With two mounts it printed two JSON documents one after the other: not JSON."""
     a, b = mount_factory(name="a"), mount_factory(name="b")
