@@ -43,6 +43,11 @@ log = logging.getLogger(__name__)
 
 # upload_id of an `uploads` row written before its upload was created (Journal.add_upload_intent).
 INTENT = "intent:"
+# Room kept on the journal's disk for the journal alone (a file of this size beside it, given up when
+# a write finds the disk full, made again once there is room). The staging files share the disk: a
+# writer that filled it must not leave the journal unable to record an unlink or a rename, or those
+# fail with ENOSPC too (and a deleted file's row would outlive it).
+RESERVE_BYTES = 4 << 20
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS pending (
@@ -112,6 +117,8 @@ class Journal:
                 f"Move the journal aside (mv {path} {path}.damaged) and mount again: files in the staging "
                 f"directory that no journal names are then moved to {path.parent / 'orphans'} for you to "
                 "recover by hand.") from None
+        self._reserve = path.with_name(path.name + ".reserve")
+        self._make_reserve()
         # sqlite in one thread at a time, through the lean pool: a batch per close or two in a burst
         # of small files, and each trip through trio.to_thread cost about twice as much CPU.
         self._thread = ThreadPool("journal", 1)
@@ -160,9 +167,42 @@ class Journal:
                 if waiter is not None:
                     waiter["done"].set()  # trio events are set here, in trio's thread
 
+    def _make_reserve(self) -> None:
+        """Set RESERVE_BYTES aside for the journal, when the disk has room for it several times
+        over (blocking: at open, and in the journal's thread)."""
+        if self._reserve.exists():
+            return
+        tmp = self._reserve.with_name(self._reserve.name + ".tmp")
+        try:
+            st = os.statvfs(self._reserve.parent)
+            if st.f_bavail * st.f_frsize < 4 * RESERVE_BYTES:
+                return
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, RESERVE_BYTES)
+            finally:
+                os.close(fd)
+            os.rename(tmp, self._reserve)
+        except OSError as e:
+            log.debug("no reserve made for the commit journal: %s", e)
+            tmp.unlink(missing_ok=True)
+
     def _write(self, batch) -> None:
         if self._unsynced_names and any(name in self._unsynced_names for *_, name in batch):
             self.sync_staging_dir()
+        if not self._reserve.exists():
+            self._make_reserve()
+        try:
+            self._write_batch(batch)
+        except sqlite3.OperationalError as e:
+            if e.sqlite_errorcode != sqlite3.SQLITE_FULL or not self._reserve.exists():
+                raise
+            self._reserve.unlink(missing_ok=True)
+            log.warning("the disk of %s is full: its reserve of %d MiB is given up for the journal; it is made "
+                        "again once there is room", self.path, RESERVE_BYTES >> 20)
+            self._write_batch(batch)  # rolled back whole: written again from the start
+
+    def _write_batch(self, batch) -> None:
         cur = self._db.cursor()
         # Only statements nobody waits for (a committed file's row, a finished upload's): no fsync.
         # In WAL mode their frames still reach the file before COMMIT returns, so a killed daemon

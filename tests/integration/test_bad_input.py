@@ -199,17 +199,20 @@ def test_a_disk_filling_under_a_streaming_writer_is_enospc_and_the_mount_lives_o
     v = m.path()
     (v / "before.bin").write_bytes(b"closed before")
     # The stream's upload is created slowly: the disk is full by the time its id is to be recorded.
-    fault_proxy.stall(2.0, method="POST", path=r"\?uploads")
+    fault_proxy.stall(3.0, method="POST", path=r"\?uploads")
     fd = os.open(v / "big.bin", os.O_CREAT | os.O_WRONLY | os.O_TRUNC)
     try:
         def fill_it():
             for _ in range(64):
                 os.write(fd, os.urandom(MiB))
         assert errno_of(fill_it) == errno.ENOSPC
+        # Full for the journal too: the room it keeps for itself is taken as well.
+        (small_disk / "state" / "journal.sqlite3.reserve").unlink(missing_ok=True)
+        fill(small_disk / "filler")
         status = subprocess.run([sys.executable, "-m", "ucfs", "status", str(m.mountpoint)], capture_output=True,
                                 text=True, timeout=60, cwd=REPO)
         assert "staging disk full" in status.stdout and "ENOSPC" in status.stdout, status.stdout  # says why
-        time.sleep(3)  # the upload's creation answers meanwhile
+        time.sleep(4)  # the upload's creation answers meanwhile
         assert m.proc.poll() is None, m.log_tail()
         assert errno_of(lambda: os.fsync(fd)) == errno.ENOSPC  # not EIO: the journal's disk is full
     finally:
@@ -219,6 +222,7 @@ def test_a_disk_filling_under_a_streaming_writer_is_enospc_and_the_mount_lives_o
     assert (v / "before.bin").read_bytes() == b"closed before"
     fault_proxy.clear()
     os.unlink(v / "big.bin")  # room again
+    os.unlink(small_disk / "filler")
     assert wait_until(lambda: "staging disk full" not in subprocess.run(
         [sys.executable, "-m", "ucfs", "status", str(m.mountpoint)], capture_output=True, text=True, timeout=60,
         cwd=REPO).stdout, timeout=20)
@@ -228,6 +232,34 @@ def test_a_disk_filling_under_a_streaming_writer_is_enospc_and_the_mount_lives_o
     assert obj(s3, bucket, f"{prefix}/vol/after.bin") == b"room again"
     log = m.log_path.read_text(errors="replace")
     assert "Traceback" not in log and "cannot rollback" not in log
+
+
+def test_files_waiting_for_their_commits_can_be_removed_and_renamed_on_a_full_disk(
+        fault_proxy, small_disk, mount_factory, s3, bucket, prefix):
+    """Closed files wait for their commits; then the staging disk fills up (a passthrough writer,
+    another program). Removing or renaming one of them must be recorded in the journal, on that
+    disk: rm failed with ENOSPC, and mv failed with ENOSPC after renaming the file all the same,
+    its journal row left under the old name (so the next mount published it under both)."""
+    m = mount_factory(args=("--cache-dir", str(small_disk / "state"), "--min-free", "8M"),
+                      endpoint=fault_proxy.endpoint)
+    v = m.path()
+    hold = fault_proxy.fail(503, method="PUT|POST")
+    files = {f"p{i}.bin": os.urandom(1000 + i) for i in range(40)}
+    for name, data in files.items():
+        (v / name).write_bytes(data)
+    fill(small_disk / "filler")
+    for i in range(0, 40, 2):
+        assert errno_of(lambda: os.unlink(v / f"p{i}.bin")) is None, i
+        assert errno_of(lambda: os.rename(v / f"p{i + 1}.bin", v / f"q{i + 1}.bin")) is None, i
+    assert sorted(os.listdir(v)) == sorted(f"q{i}.bin" for i in range(1, 40, 2))
+    hold.disable()
+    m.kill()  # what the journal says is what the next mount publishes
+    os.unlink(small_disk / "filler")
+    m.start()
+    sync_dir(v)
+    assert keys(s3, bucket, f"{prefix}/vol/") == sorted(f"{prefix}/vol/q{i}.bin" for i in range(1, 40, 2))
+    for i in range(1, 40, 2):
+        assert obj(s3, bucket, f"{prefix}/vol/q{i}.bin") == files[f"p{i}.bin"]
 
 
 def test_a_commit_the_full_staging_disk_holds_up_goes_on_once_there_is_room(
@@ -244,10 +276,13 @@ def test_a_commit_the_full_staging_disk_holds_up_goes_on_once_there_is_room(
     (v / "big.bin").write_bytes(data)
     assert wait_until(lambda: m.status()["commits"].get("retries", 0) >= 1, timeout=30)
     fill(small_disk / "filler")
+    (small_disk / "state" / "journal.sqlite3.reserve").unlink(missing_ok=True)  # the journal's room too
+    fill(small_disk / "filler2")
     hold.disable()
     # Retries meet the full disk now.
     assert wait_until(lambda: "database or disk is full" in m.log_tail(400), timeout=60), m.log_tail()
     os.unlink(small_disk / "filler")
+    os.unlink(small_disk / "filler2")
     assert wait_until(lambda: f"{prefix}/vol/big.bin" in keys(s3, bucket, prefix), timeout=90), \
         (m.status()["commits"], m.log_tail())
     assert obj(s3, bucket, f"{prefix}/vol/big.bin") == data
