@@ -51,6 +51,10 @@ def _translate(fn: Callable) -> Callable:
 
 def _errno_of(op: str, e: OSError) -> int:
     err = e.errno or errors.EIO
+    if op == "read" and isinstance(e, errors.StoreError) and err != errors.ESTALE:
+        # read(2) has no EACCES or ENXIO (a reader of a file it opened is not asked for rights
+        # again): a read the store refuses is an I/O error, as one it cannot serve (README "Reads").
+        err = errors.EIO
     if err == errors.EIO:
         log.error("%s: I/O error: %s", op, e)  # the log line that says why
     elif isinstance(e, errors.StoreError) and err not in (errors.ENOENT, errors.ESTALE):

@@ -155,6 +155,25 @@ def test_reads_fail_with_eio_after_the_retry_budget_then_recover(fault_proxy, mo
     report(f"reads until EIO, seconds to give up {took}", fault_proxy)
 
 
+def test_a_read_the_store_refuses_midway_is_eio_with_the_reason_logged(fault_proxy, mount_factory, s3, bucket,
+                                                                         prefix):
+    """The store answers 403 (a policy changed, credentials expired) to the GETs of a file being
+    read: read(2) failed with EACCES, which it never returns and readers do not expect of a file
+    they opened; it is EIO, as for a read the store cannot serve, with the store's answer logged."""
+    data = os.urandom(48 * MiB)
+    key = f"{prefix}/vol/big.bin"
+    s3.put_object(Bucket=bucket, Key=key, Body=data)
+    m = proxied(mount_factory, fault_proxy)
+    with open(m.path() / "big.bin", "rb", buffering=0) as f:
+        assert f.read(MiB) == data[:MiB]
+        fault_proxy.fail(403, method="GET", path=re.escape(f"/{bucket}/{key}") + "$")
+        with pytest.raises(OSError) as e:
+            while f.read(8 * MiB):
+                pass
+    assert e.value.errno == errno.EIO, e.value
+    assert re.search(r" ERROR ucfs\.fs: read: I/O error: .*code=AccessDenied status=403", m.log_path.read_text())
+
+
 def test_a_store_refusing_a_listing_or_lookup_is_its_errno_and_a_log_line_saying_why(
         fault_proxy, mount_factory, s3, bucket, prefix):
     """403 (a policy, expired credentials) or a bucket deleted under the mount: the caller gets
