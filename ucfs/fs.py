@@ -225,10 +225,16 @@ class Operations(pyfuse3.Operations):
         await self.core.rename(parent_inode_old, os.fsdecode(name_old), parent_inode_new,
                                os.fsdecode(name_new), flags, _caller(ctx))
 
+    def _refuse_unstorable(self, parent_inode, ctx) -> None:
+        """EPERM for what an object store cannot hold, after EROFS and EACCES: as on a read-only
+        mount, a change where none may be made says that first."""
+        self.core.check_write(self.core.node(parent_inode), _caller(ctx))
+        raise pyfuse3.FUSEError(errors.EPERM)
+
     @_translate
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
         if not stat.S_ISREG(mode):
-            raise pyfuse3.FUSEError(errors.EPERM)  # devices, fifos and sockets cannot live in an object store
+            self._refuse_unstorable(parent_inode, ctx)  # devices, fifos and sockets cannot live in an object store
         # An empty regular file, as creat() and close() make (the kernel sends creat() here too when
         # a file system has no atomic create; ours has, so this is mknod(2) itself).
         fh, attrs = await self.core.create(parent_inode, os.fsdecode(name), os.O_WRONLY | os.O_CREAT | os.O_EXCL,
@@ -239,11 +245,13 @@ class Operations(pyfuse3.Operations):
             await self.core.release(fh)
         return _entry(attrs)
 
+    @_translate
     async def symlink(self, parent_inode, name, target, ctx):
-        raise pyfuse3.FUSEError(errors.EPERM)  # no symlinks in an object store (git copes: core.symlinks)
+        self._refuse_unstorable(parent_inode, ctx)  # no symlinks in an object store (git copes: core.symlinks)
 
+    @_translate
     async def link(self, inode, new_parent_inode, new_name, ctx):
-        raise pyfuse3.FUSEError(errors.EPERM)  # no hard links (git falls back to rename)
+        self._refuse_unstorable(new_parent_inode, ctx)  # no hard links (git falls back to rename)
 
     # -- file system ----------------------------------------------------------------------------
     @_translate

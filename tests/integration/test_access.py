@@ -187,7 +187,10 @@ def test_read_only_volume_is_erofs_for_everyone(granted):
     # root too: the volume itself is read-only, and so are the synthetic levels above volumes
     for change in (lambda: (vol / "root.txt").write_bytes(b"x"), lambda: os.chmod(vol / "hello.txt", 0o600),
                    lambda: os.chown(vol / "hello.txt", 0, 0), lambda: os.utime(vol / "hello.txt", (1, 1)),
-                   lambda: os.chmod(granted.mountpoint / "g", 0o700)):
+                   lambda: os.chmod(granted.mountpoint / "g", 0o700),
+                   # what no volume can hold (EPERM elsewhere) is EROFS here first, as on a read-only mount
+                   lambda: os.symlink("hello.txt", vol / "s"), lambda: os.link(vol / "hello.txt", vol / "l"),
+                   lambda: os.mkfifo(vol / "f"), lambda: os.symlink("x", granted.mountpoint / "g" / "sym")):
         with pytest.raises(OSError) as e:
             change()
         assert e.value.errno == errno.EROFS

@@ -346,8 +346,10 @@ def test_mknod_of_a_regular_file_makes_an_empty_file(mount, s3, bucket, prefix):
     v = mount.path()
     os.mknod(v / "empty.txt")  # mode 0: a regular file
     assert (v / "empty.txt").stat().st_size == 0
-    with pytest.raises(OSError) as e:
-        os.mkfifo(v / "fifo")
-    assert e.value.errno == errno.EPERM
+    for unstorable in (lambda: os.mkfifo(v / "fifo"), lambda: os.symlink("empty.txt", v / "sym"),
+                       lambda: os.link(v / "empty.txt", v / "hard")):
+        with pytest.raises(OSError) as e:
+            unstorable()
+        assert e.value.errno == errno.EPERM
     sync_dir(v)
     assert keys(s3, bucket, f"{prefix}/vol/") == [f"{prefix}/vol/empty.txt"]
