@@ -1785,6 +1785,7 @@ class Committer:
     async def drop(self, s: Staged) -> None:
         """The file was unlinked or replaced: never commit it; its data goes with its last handle."""
         async with self.namespace_lock(s):
+            was_queued = s.queued
             s.dropped = True
             self._queue.pop(id(s), None)
             s.queued = False
@@ -1793,7 +1794,16 @@ class Committer:
                 rid, s.rid = s.rid, None
                 # Durably before unlink/rename returns: a row left behind by a crash would bring
                 # the deleted file back, and publish it, at the next mount.
-                await self.journal.remove(rid)
+                try:
+                    await self.journal.remove(rid)
+                except BaseException:
+                    # Not recorded (its disk full): nothing is dropped, and the unlink or rename
+                    # fails. Left half done, the file stayed listed but was never committed, and a
+                    # second unlink then succeeded with its row still there to publish it again.
+                    s.rid, s.dropped = rid, False
+                    if was_queued or (s.writers == 0 and s.dirty and s.flushed_generation >= 0):
+                        self._enqueue(s)
+                    raise
             self._end_kept(s)
             s.notify()
         self._maybe_retire(s)

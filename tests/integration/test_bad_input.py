@@ -262,6 +262,36 @@ def test_files_waiting_for_their_commits_can_be_removed_and_renamed_on_a_full_di
         assert obj(s3, bucket, f"{prefix}/vol/q{i}.bin") == files[f"p{i}.bin"]
 
 
+def test_an_unlink_the_full_journal_cannot_record_changes_nothing(fault_proxy, small_disk, mount_factory, s3,
+                                                                   bucket, prefix):
+    """The staging disk is full, the journal's own room taken too: an unlink of a file waiting for
+    its commit cannot be recorded and fails (ENOSPC). It must then have changed nothing: the file
+    was left listed but never committed, and a second unlink succeeded with its row kept, so the
+    next mount published the deleted file again."""
+    m = mount_factory(args=("--cache-dir", str(small_disk / "state"), "--min-free", "8M"),
+                      endpoint=fault_proxy.endpoint)
+    v = m.path()
+    hold = fault_proxy.fail(503, method="PUT|POST")
+    data = os.urandom(5000)
+    (v / "p.bin").write_bytes(data)
+    fill(small_disk / "filler")
+    (small_disk / "state" / "journal.sqlite3.reserve").unlink(missing_ok=True)
+    fill(small_disk / "filler2")
+    for _ in range(2):
+        assert errno_of(lambda: os.unlink(v / "p.bin")) == errno.ENOSPC
+    assert (v / "p.bin").read_bytes() == data
+    os.unlink(small_disk / "filler")
+    os.unlink(small_disk / "filler2")
+    hold.disable()
+    sync_dir(v)
+    assert obj(s3, bucket, f"{prefix}/vol/p.bin") == data  # still the file it was: committed
+    os.unlink(v / "p.bin")
+    m.kill()
+    m.start()
+    sync_dir(v)
+    assert keys(s3, bucket, f"{prefix}/vol/") == []  # and gone for good once removed
+
+
 def test_a_commit_the_full_staging_disk_holds_up_goes_on_once_there_is_room(
         fault_proxy, small_disk, mount_factory, s3, bucket, prefix):
     """A closed file large enough for a multipart upload, whose commit is retried while the staging
