@@ -433,7 +433,8 @@ def format_status(mnt: str, st: dict) -> str:
                          f"free ({cm.get('staging_dir', '')}): new writes fail with ENOSPC until there is room")
         for item in cm.get("items", []):
             lines.append(f"    {item['state']:<9} {item['path']}  {item['size']} bytes, age {item['age_s']:.0f} s, "
-                         f"attempts {item['attempts']}" + (f", error: {item['error']}" if item.get("error") else ""))
+                         f"attempts {item['attempts']}" + (f", error: {item['error']}" if item.get("error") else "")
+                         + (f", retrying after: {item['retrying']}" if item.get("retrying") else ""))
     return "\n".join(lines)
 
 

@@ -265,6 +265,7 @@ class Staged:
     opening: int = 0
     error: OSError | None = None  # permanent commit failure
     attempts: int = 0
+    retry_reason: str = ""  # why the last attempt failed, while it is retried (ucfs status)
     queued: bool = False
     fsync_waiters: int = 0
     dropped: bool = False  # unlinked: never commit
@@ -743,6 +744,7 @@ class Committer:
         await self._commit(shadow)
         s.committed_generation = max(s.committed_generation, kept.generation)
         s.attempts = 0
+        s.retry_reason = ""
         s.error = None
         if s.kept is kept:  # else a close superseded it meanwhile, and the row is that close's
             self._end_kept(s)
@@ -1269,6 +1271,7 @@ class Committer:
             level = logging.WARNING if s.attempts < 5 else logging.ERROR
             log.log(level, "commit of %s failed (attempt %d): %s; retrying in %.1f s", path, s.attempts, e, delay)
             self.stats["retries"] += 1
+            s.retry_reason = str(e)
             if s.rid is not None:
                 self.journal.note_attempt_nowait(s.rid, s.attempts, str(e), failed=False)
             self._nursery.start_soon(self._retry_later, s, delay)
@@ -1343,6 +1346,7 @@ class Committer:
         self.core.note_changed(node)  # listings and probes still on their way must not undo this
         s.committed_generation = max(s.committed_generation, gen)
         s.attempts = 0
+        s.retry_reason = ""
         s.error = None
         # The journal row of what is now in the store goes. Its removal may wait for the journal's
         # next batch when the row names this same content (a crash meanwhile publishes it again:
@@ -1902,7 +1906,8 @@ class Committer:
                           "attempts": s.attempts,
                           "state": "failed" if s.error is not None else (
                               "open" if s.writers else ("uploading" if s.commit_lock.locked() else "queued")),
-                          "error": str(s.error) if s.error is not None else ""})
+                          "error": str(s.error) if s.error is not None else "",
+                          "retrying": s.retry_reason if s.error is None else ""})
         out = dict(self.stats)
         # The room new writes need on the staging disk (a statfs): without it they fail with ENOSPC.
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -309,8 +310,12 @@ def test_a_commit_the_full_staging_disk_holds_up_goes_on_once_there_is_room(
     (small_disk / "state" / "journal.sqlite3.reserve").unlink(missing_ok=True)  # the journal's room too
     fill(small_disk / "filler2")
     hold.disable()
-    # Retries meet the full disk now.
+    # Retries meet the full disk now, and ucfs status says so.
     assert wait_until(lambda: "database or disk is full" in m.log_tail(400), timeout=60), m.log_tail()
+    status = subprocess.run([sys.executable, "-m", "ucfs", "status", str(m.mountpoint)], capture_output=True,
+                            text=True, timeout=60, cwd=REPO).stdout
+    assert re.search(r"queued +/test/s/vol/big\.bin .*retrying after: .*disk is full", status) or \
+        re.search(r"uploading +/test/s/vol/big\.bin .*retrying after: .*disk is full", status), status
     os.unlink(small_disk / "filler")
     os.unlink(small_disk / "filler2")
     assert wait_until(lambda: f"{prefix}/vol/big.bin" in keys(s3, bucket, prefix), timeout=90), \
