@@ -1815,7 +1815,12 @@ class Committer:
     async def renamed(self, s: Staged, old_key: str | None = None) -> None:
         """The file now has another key: its content must be committed there."""
         async with self.namespace_lock(s):
-            await self.renamed_locked(s, old_key)
+            had = s.committed_generation
+            try:
+                await self.renamed_locked(s, old_key)
+            except BaseException:
+                s.committed_generation = had  # not renamed after all: the caller puts the name back
+                raise
 
     async def renamed_locked(self, s: Staged, old_key: str | None = None) -> None:
         """`renamed`, for a caller that already holds the file's commit lock (`namespace_lock`).

@@ -1226,13 +1226,22 @@ class Core:
             return
         # Local data: it is committed under the new name; whatever the old name held goes.
         had_remote = bool(node.etag) or node.staged.replayed
+        old_parent, old_name, old_etag = node.parent, node.name, node.etag
         self.inodes.move(node, new_parent, new_name)
         # The replaced file's object stays under the new name until our commit overwrites it. The
         # node now stands for that object, so that an unlink (or another rename) before the commit
         # deletes it: otherwise the old content would come back once the listing is refreshed. Set
         # before any await: a commit finishing meanwhile records the new object's ETag here.
         node.etag = target.etag if target is not None else ""
-        await self.committer.renamed(node.staged, old_key)
+        try:
+            await self.committer.renamed(node.staged, old_key)
+        except OSError:
+            # Not recorded (the journal's disk full): the file keeps its name, as the failed rename
+            # says; it was renamed all the same, its row left under the old name. (A file it was to
+            # replace stays replaced: its object, if any, is listed again.)
+            self.inodes.move(node, old_parent, old_name)
+            node.etag = old_etag
+            raise
         if had_remote:
             await store.delete(vol.bucket, old_key)
 

@@ -263,12 +263,12 @@ def test_files_waiting_for_their_commits_can_be_removed_and_renamed_on_a_full_di
         assert obj(s3, bucket, f"{prefix}/vol/q{i}.bin") == files[f"p{i}.bin"]
 
 
-def test_an_unlink_the_full_journal_cannot_record_changes_nothing(fault_proxy, small_disk, mount_factory, s3,
+def test_an_unlink_or_rename_the_full_journal_cannot_record_changes_nothing(fault_proxy, small_disk, mount_factory, s3,
                                                                    bucket, prefix):
-    """The staging disk is full, the journal's own room taken too: an unlink of a file waiting for
-    its commit cannot be recorded and fails (ENOSPC). It must then have changed nothing: the file
-    was left listed but never committed, and a second unlink succeeded with its row kept, so the
-    next mount published the deleted file again."""
+    """The staging disk is full, the journal's own room taken too: an unlink or a rename of a file
+    waiting for its commit cannot be recorded and fails (ENOSPC). It must then have changed nothing:
+    after a failed unlink the file was left listed but never committed, and a second unlink
+    succeeded with its row kept, so the next mount published the deleted file again."""
     m = mount_factory(args=("--cache-dir", str(small_disk / "state"), "--min-free", "8M"),
                       endpoint=fault_proxy.endpoint)
     v = m.path()
@@ -280,6 +280,9 @@ def test_an_unlink_the_full_journal_cannot_record_changes_nothing(fault_proxy, s
     fill(small_disk / "filler2")
     for _ in range(2):
         assert errno_of(lambda: os.unlink(v / "p.bin")) == errno.ENOSPC
+        # A rename neither: it was done all the same, its row left under the old name.
+        assert errno_of(lambda: os.rename(v / "p.bin", v / "q.bin")) == errno.ENOSPC
+    assert os.listdir(v) == ["p.bin"]
     assert (v / "p.bin").read_bytes() == data
     os.unlink(small_disk / "filler")
     os.unlink(small_disk / "filler2")
