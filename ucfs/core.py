@@ -463,8 +463,14 @@ class Core:
         done = trio.Event()
         parent.listing_refresh = done
         try:
-            started = time.monotonic()
-            entries, marker = await self._list_all(parent)
+            while True:
+                started, prefix = time.monotonic(), parent.dir_prefix
+                entries, marker = await self._list_all(parent)
+                if parent.dir_prefix == prefix:
+                    break
+                # Renamed (itself or a directory above it) while the LIST was on its way: it listed
+                # the old name's keys, which the rename deletes. Taken for the new name, it would
+                # say the moved files do not exist, for a whole TTL. The new name is listed instead.
             self._overlay_local(parent, entries, started)
             parent.listing = Listing(entries, time.monotonic(), marker, asked_at=started)
             self._reconcile(parent, entries, started)

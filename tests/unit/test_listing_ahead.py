@@ -68,3 +68,50 @@ def test_a_directory_looked_up_in_a_burst_never_makes_a_lookup_wait_for_its_list
             n.cancel_scope.cancel()
 
     trio.run(main)
+
+
+class _ListWhenAnswering(MemoryStore):
+    """A LIST of d/ by directory ('/' delimiter) that the server works out only when it answers,
+    LIST_S after it was sent; other requests (a directory rename's own flat LIST, probes, copies,
+    deletes) at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.sent = 0
+
+    def list_page(self, bucket, prefix, **kwargs):
+        if prefix == "pfx/d/" and kwargs.get("delimiter", "/") == "/" and kwargs.get("max_keys", 1000) > 2:
+            self.sent += 1
+            time.sleep(LIST_S)
+        return super().list_page(bucket, prefix, **kwargs)
+
+
+def test_a_listing_sent_before_its_directory_was_renamed_is_not_taken_for_the_new_name(tmp_path):
+    """A refresh (ahead of time, in the background) of d is on its way when d is renamed to e. Its
+    answer lists d/, which the rename has emptied: installed as e's listing, it would say e's files
+    do not exist, for a whole TTL, and take their inodes away."""
+    store = _ListWhenAnswering()
+    for i in range(3):
+        store.put_bytes("bucket", f"pfx/d/f{i}", b"x")
+    (tmp_path / "state").mkdir(mode=0o700)
+    cfg = MountConfig(cache_dir=tmp_path / "state" / "cache", metadata_ttl_s=5.0)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, cfg)
+            d = (await core.lookup(vol, "d")).ino
+            await core.refresh_listing(core.node(d))
+            assert await core.lookup(d, "f0") is not None
+            sent = store.sent
+            n.start_soon(core.refresh_listing, core.node(d))  # as _maybe_refresh_ahead does
+            while store.sent == sent:
+                await trio.sleep(0.001)
+            await core.rename(vol, "d", vol, "e")
+            assert sorted(store.buckets["bucket"]) == ["pfx/e/", "pfx/e/f0", "pfx/e/f1", "pfx/e/f2"]
+            await trio.sleep(LIST_S * 3)  # the refresh has landed
+            for i in range(3):
+                assert await core.lookup(d, f"f{i}") is not None, f"e/f{i} vanished"
+            await committer.shutdown(drain=True)
+            n.cancel_scope.cancel()
+
+    trio.run(main)
