@@ -1786,6 +1786,11 @@ class Committer:
             s.abandon = False
             yield
 
+    async def settle_journal(self) -> None:
+        """Before an object is deleted or renamed away in the store: no journal row of what this
+        mount committed may come back after a power loss and publish it again (Journal.settle)."""
+        await self.journal.settle()
+
     async def drop(self, s: Staged) -> None:
         """The file was unlinked or replaced: never commit it; its data goes with its last handle."""
         async with self.namespace_lock(s):

@@ -1006,6 +1006,7 @@ class Core:
         if node.staged is not None:
             await self.committer.drop(node.staged)
         if node.etag or replayed:  # the ETag as it is now: a commit may have finished meanwhile
+            await self._settle_journal()
             await self.store_for(vol).delete(vol.bucket, node.key)
         await self._forget_name(parent, node)
         self.stats["unlinks"] += 1
@@ -1075,6 +1076,12 @@ class Core:
                 self.cache.unpin(old)
             if h.reader is not None:
                 h.reader.key, h.reader.version = new_key, h.version
+
+    async def _settle_journal(self) -> None:
+        """Before a committed object is deleted (unlink, the old name of a rename): a journal row of
+        it whose removal a power loss undid would publish it again at the next mount."""
+        if self.committer is not None:
+            await self.committer.settle_journal()
 
     async def _keep_unlinked_for_readers(self, node: Inode) -> None:
         """node's name goes (unlink, or a rename over it): handles open on its committed object keep
@@ -1223,6 +1230,7 @@ class Core:
             new_key = new_parent.dir_prefix + new_name
             info = await store.copy(vol.bucket, old_key, new_key)
             await self._follow_rename(node, new_key, info.etag)
+            await self._settle_journal()
             await store.delete(vol.bucket, old_key)
             self.inodes.move(node, new_parent, new_name)
             if node.local_mtime_etag and node.local_mtime_etag == node.etag:
@@ -1249,6 +1257,7 @@ class Core:
             node.etag = old_etag
             raise
         if had_remote:
+            await self._settle_journal()
             await store.delete(vol.bucket, old_key)
 
     async def _rename_dir(self, store: AsyncStore, vol: Volume, node: Inode, target: Inode | None,
@@ -1324,6 +1333,7 @@ class Core:
 
         # Objects first, then directory markers deepest first, so no store sees a marker go while
         # something beneath it is still there.
+        await self._settle_journal()
         async with trio.open_nursery() as n:
             for k in keys:
                 if not k.endswith("/"):

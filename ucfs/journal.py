@@ -4,7 +4,9 @@ One sqlite3 database (WAL) in the state directory. A row is written, and made du
 (synchronous=FULL), when a file is closed with changes (after its staging file is fsynced): from then
 on a crash cannot lose it. The row is removed once the file is committed; that removal need not be
 durable at once (after a power loss the commit is simply repeated, which is harmless), so a batch of
-such statements alone is written without an fsync, and the next durable batch syncs it too. A row
+such statements alone is written without an fsync, and the next durable batch syncs it too (an
+unlink or rename of a committed file asks for one first, `settle`: a row back after a power loss
+would publish the old name again). A row
 removed because its file was unlinked or replaced is removed durably before the unlink returns: a
 crash must not bring a deleted file back, and publish it, at the next mount.
 
@@ -126,6 +128,10 @@ class Journal:
         self._queue: list[tuple[str, tuple, dict | None, str | None]] = []
         self._wakeup = trio.Event()
         self._closed = False
+        # A batch was taken that is (or is being) written without a sync, and no durable batch has
+        # been written after it: a power loss may undo its statements (see `settle`).
+        self._lazy = False
+        self._settles = 0
 
     def _migrate(self) -> None:
         columns = {r[1] for r in self._db.execute("PRAGMA table_info(pending)")}
@@ -155,9 +161,14 @@ class Journal:
                 self._wakeup = trio.Event()
                 continue
             batch, self._queue = self._queue, []
+            lazy = all(waiter is None for _, _, waiter, _ in batch)
+            if lazy:
+                self._lazy = True
             with trio.CancelScope(shield=True):  # a batch once started is written whole
                 try:
                     await self._thread.run(self._write, batch)
+                    if not lazy:
+                        self._lazy = False  # synced, and every batch before it with it
                 except Exception as e:  # noqa: BLE001 - hand the failure to every waiter
                     log.error("commit journal write failed: %s", e)
                     for _, _, waiter, _ in batch:
@@ -311,6 +322,19 @@ class Journal:
 
     def remove_nowait(self, rid: int) -> None:
         self._enqueue("DELETE FROM pending WHERE id=?", (rid,), None)
+
+    async def settle(self) -> None:
+        """Return once every statement queued so far is durable. Before a change in the store that
+        a committed file's row, back after a power loss, would undo at the next mount: that row's
+        removal (remove_nowait) may have been written without a sync, and the staging file it names
+        may be back too (its unlink was not synced either). An unlink or rename of a committed file
+        writes no row of its own; replayed, the row would publish the deleted name again. Costs a
+        sync only when a batch since the last durable one was written without one."""
+        if self._lazy or any(waiter is None for _, _, waiter, _ in self._queue):
+            # Any write makes a frame, and a frame written under synchronous=FULL syncs the WAL,
+            # the earlier frames with it.
+            self._settles += 1
+            await self._execute(f"PRAGMA user_version={self._settles % 2}", ())
 
     async def close(self) -> None:
         self._closed = True

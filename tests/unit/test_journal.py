@@ -7,6 +7,7 @@ instead: the staging directory's fsync before the transaction that names its fil
 
 from __future__ import annotations
 
+import os
 import sqlite3
 
 import trio
@@ -151,6 +152,66 @@ def test_only_batches_someone_waits_for_pay_for_an_fsync(tmp_path):
     # What was written without a sync is in the file all the same: another connection reads it.
     assert sqlite3.connect(tmp_path / "state" / "journal.sqlite3").execute(
         "SELECT count(*) FROM pending").fetchone() == (0,)
+
+
+def test_a_committed_file_s_removal_written_without_a_sync_is_made_durable_before_its_object_goes(tmp_path):
+    """A committed file's row is removed without a sync, and a power loss can bring it back (its
+    staging file too: that unlink is not synced either). Replayed, it would publish the file again
+    after an unlink or a rename on this host, which writes no row of its own. So such a change in
+    the store first waits for a durable batch (`settle`), and only when one is owed."""
+    store = MemoryStore()
+    store.buckets["bucket"] = {}
+    cfg = _cfg(tmp_path)
+    events: list[str] = []
+
+    def trace(sql: str) -> None:
+        words = sql.replace("=", " ").split()
+        if words[:2] == ["PRAGMA", "synchronous"]:
+            events.append(words[2])
+        elif words[0] == "COMMIT":
+            events.append("COMMIT")
+
+    real_delete = store.delete
+
+    def delete(bucket, key):
+        events.append(f"delete {key}")
+        return real_delete(bucket, key)
+
+    store.delete = delete
+
+    def last_sync_level(upto: list[str]) -> str | None:
+        """synchronous= in force for the last COMMIT among `upto`."""
+        level = "FULL"
+        last = None
+        for e in upto:
+            if e in ("FULL", "NORMAL"):
+                level = e
+            elif e == "COMMIT":
+                last = level
+        return last
+
+    async def main():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, cfg)
+            committer.journal._db.set_trace_callback(trace)
+            for name in ("a", "b"):
+                fh, _ = await core.create(vol, name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                await core.write(fh, 0, b"data")
+                await core.flush(fh)
+                await core.release(fh)
+            with trio.fail_after(10):
+                while committer.staged or committer.journal._queue or committer.journal.records():
+                    await trio.sleep(0.01)
+            assert last_sync_level(events) == "NORMAL"  # the removals went out without a sync
+            await core.unlink(vol, "a")
+            assert last_sync_level(events[:events.index("delete pfx/a")]) == "FULL", events
+            n_commits = events.count("COMMIT")
+            await core.rename(vol, "b", vol, "c")  # nothing owed now: no batch of its own
+            assert events.count("COMMIT") == n_commits, events
+            await committer.shutdown(drain=True)
+            n.cancel_scope.cancel()
+
+    trio.run(main)
 
 
 def test_staging_files_made_ahead_are_durable_before_they_are_handed_out(tmp_path, monkeypatch):
