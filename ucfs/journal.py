@@ -43,6 +43,9 @@ from .threads import ThreadPool
 
 log = logging.getLogger(__name__)
 
+# A batch written without a sync (see `_write`) is synced at the latest this long after it was taken.
+LAZY_SYNC_S = 1.0
+
 # upload_id of an `uploads` row written before its upload was created (Journal.add_upload_intent).
 INTENT = "intent:"
 # Room kept on the journal's disk for the journal alone (a file of this size beside it, given up when
@@ -131,6 +134,7 @@ class Journal:
         # A batch was taken that is (or is being) written without a sync, and no durable batch has
         # been written after it: a power loss may undo its statements (see `settle`).
         self._lazy = False
+        self._lazy_since = 0.0  # trio.current_time() when _lazy was set
         self._settles = 0
 
     def _migrate(self) -> None:
@@ -157,13 +161,24 @@ class Journal:
             if not self._queue:
                 if self._closed:
                     return
-                await self._wakeup.wait()
+                if self._lazy:
+                    with trio.move_on_at(self._lazy_since + LAZY_SYNC_S):
+                        await self._wakeup.wait()
+                else:
+                    await self._wakeup.wait()
                 self._wakeup = trio.Event()
-                continue
+                if not self._queue and not self._sync_due():
+                    continue
             batch, self._queue = self._queue, []
             lazy = all(waiter is None for _, _, waiter, _ in batch)
-            if lazy:
-                self._lazy = True
+            if lazy and self._sync_due():
+                # What was written without a sync is synced within LAZY_SYNC_S all the same: a
+                # row a power loss brings back is replayed, and would put this host's old bytes
+                # over what another host wrote since.
+                batch.append((*self._settle_statement(), {"done": trio.Event()}, None))
+                lazy = False
+            elif lazy and not self._lazy:
+                self._lazy, self._lazy_since = True, trio.current_time()
             with trio.CancelScope(shield=True):  # a batch once started is written whole
                 try:
                     await self._thread.run(self._write, batch)
@@ -171,6 +186,8 @@ class Journal:
                         self._lazy = False  # synced, and every batch before it with it
                 except Exception as e:  # noqa: BLE001 - hand the failure to every waiter
                     log.error("commit journal write failed: %s", e)
+                    if self._lazy:
+                        self._lazy_since = trio.current_time()  # the next try at a sync: not at once
                     for _, _, waiter, _ in batch:
                         if waiter is not None:
                             waiter["error"] = e
@@ -198,6 +215,9 @@ class Journal:
             log.debug("no reserve made for the commit journal: %s", e)
             tmp.unlink(missing_ok=True)
 
+    def _sync_due(self) -> bool:
+        return self._lazy and trio.current_time() >= self._lazy_since + LAZY_SYNC_S
+
     def _write(self, batch) -> None:
         if self._unsynced_names and any(name in self._unsynced_names for *_, name in batch):
             self.sync_staging_dir()
@@ -217,9 +237,10 @@ class Journal:
         cur = self._db.cursor()
         # Only statements nobody waits for (a committed file's row, a finished upload's): no fsync.
         # In WAL mode their frames still reach the file before COMMIT returns, so a killed daemon
-        # loses none of them; only a power loss can, and then a commit is repeated (harmless) or a
-        # row names a staging file that is gone (dropped at the next mount). The next durable batch
-        # makes them durable too, since the WAL is synced in order.
+        # loses none of them; only a power loss can, and then a commit is repeated or a row names a
+        # staging file that is gone (dropped at the next mount). The next durable batch makes them
+        # durable too, since the WAL is synced in order; one comes within LAZY_SYNC_S (run), and
+        # before an unlink or rename of a committed file (settle).
         durable = any(waiter is not None for _, _, waiter, _ in batch)
         if durable != self._synced:
             cur.execute("PRAGMA synchronous=FULL" if durable else "PRAGMA synchronous=NORMAL")
@@ -331,10 +352,13 @@ class Journal:
         writes no row of its own; replayed, the row would publish the deleted name again. Costs a
         sync only when a batch since the last durable one was written without one."""
         if self._lazy or any(waiter is None for _, _, waiter, _ in self._queue):
-            # Any write makes a frame, and a frame written under synchronous=FULL syncs the WAL,
-            # the earlier frames with it.
-            self._settles += 1
-            await self._execute(f"PRAGMA user_version={self._settles % 2}", ())
+            await self._execute(*self._settle_statement())
+
+    def _settle_statement(self) -> tuple[str, tuple]:
+        """A statement that writes a frame: in a batch with a waiter (synchronous=FULL) it syncs the
+        WAL, and every frame before it with it."""
+        self._settles += 1
+        return f"PRAGMA user_version={self._settles % 2}", ()
 
     async def close(self) -> None:
         self._closed = True

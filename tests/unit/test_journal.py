@@ -214,6 +214,42 @@ def test_a_committed_file_s_removal_written_without_a_sync_is_made_durable_befor
     trio.run(main)
 
 
+def test_what_was_written_without_a_sync_is_synced_soon_after_all(tmp_path, monkeypatch):
+    """A row whose removal a power loss undid is replayed, and would put this host's old bytes over
+    what another host wrote since: so removals written without a sync are synced within
+    LAZY_SYNC_S, on a journal gone quiet as well as under a steady stream of such removals."""
+    monkeypatch.setattr(journal_mod, "LAZY_SYNC_S", 0.2)
+    _, staging = _state(tmp_path)
+    journal = Journal(tmp_path / "state" / "journal.sqlite3", staging_dir=staging)
+    level, commits = ["FULL"], []
+
+    def trace(sql: str) -> None:  # runs in the journal's thread
+        words = sql.replace("=", " ").split()
+        if words[:2] == ["PRAGMA", "synchronous"]:
+            level[0] = words[2]
+        elif words[0] == "COMMIT":
+            commits.append(level[0])
+
+    async def main():
+        async with trio.open_nursery() as n:
+            await n.start(journal.run)
+            rids = [await journal.add("a.b.c", f"f{i}", f"f{i}.data", 1) for i in range(40)]
+            journal._db.set_trace_callback(trace)
+            journal.remove_nowait(rids[0])
+            await trio.sleep(0.6)  # quiet
+            assert commits[:1] == ["NORMAL"] and commits[1:] == ["FULL"], commits
+            commits.clear()
+            for rid in rids[1:]:  # a removal every 20 ms, for about 0.8 s
+                journal.remove_nowait(rid)
+                await trio.sleep(0.02)
+            assert commits[0] == "NORMAL" and 2 <= commits.count("FULL") <= 5, commits
+            await journal.close()
+
+    trio.run(main)
+    assert journal.records() == []
+    journal.close_db()
+
+
 def test_staging_files_made_ahead_are_durable_before_they_are_handed_out(tmp_path, monkeypatch):
     """Spare staging files are made in batches, and the staging directory is fsynced with each batch:
     a close of a file that took a spare then needs no directory fsync of its own."""
