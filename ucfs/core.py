@@ -456,10 +456,15 @@ class Core:
     # -- listings -------------------------------------------------------------------------------
     async def refresh_listing(self, parent: Inode) -> Listing:
         """List a directory from the store; concurrent callers share one listing."""
-        if parent.listing_refresh is not None:
+        while parent.listing_refresh is not None:
+            before = parent.listing
             await parent.listing_refresh.wait()
-            if parent.listing is not None:
-                return parent.listing
+            # That refresh may have failed (one started in the background, ahead of expiry, that
+            # the caller never saw): the expired listing it was to replace is no answer. Then list
+            # it here (or wait for whoever woke first and started listing).
+            listing = parent.listing
+            if listing is not None and (listing is not before or listing.fresh(self.cfg.metadata_ttl_s)):
+                return listing
         done = trio.Event()
         parent.listing_refresh = done
         try:

@@ -11,6 +11,7 @@ import time
 
 import trio
 
+from ucfs import errors
 from ucfs.config import MountConfig
 from ucfs.store import MemoryStore
 
@@ -111,6 +112,51 @@ def test_a_listing_sent_before_its_directory_was_renamed_is_not_taken_for_the_ne
             await trio.sleep(LIST_S * 3)  # the refresh has landed
             for i in range(3):
                 assert await core.lookup(d, f"f{i}") is not None, f"e/f{i} vanished"
+            await committer.shutdown(drain=True)
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+class _FailingOnce(MemoryStore):
+    """A LIST of d/ that fails once, after LIST_S (a store that keeps erroring while the client
+    retries); the others are answered at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.fail_next = False
+
+    def list_page(self, bucket, prefix, **kwargs):
+        if prefix == "pfx/d/" and self.fail_next:
+            self.fail_next = False
+            time.sleep(LIST_S)
+            raise errors.connection_error("store unreachable", key=prefix)
+        return super().list_page(bucket, prefix, **kwargs)
+
+
+def test_a_listing_that_failed_in_the_background_is_not_shown_once_expired(tmp_path):
+    """An `ls` (opendir) of a directory whose listing expired while a refresh of it was on its
+    way (in the background, ahead of expiry) waits for that refresh. When that one fails, the old,
+    expired listing is not what it shows: files made elsewhere since would be missing past the
+    TTL. It lists the directory itself."""
+    store = _FailingOnce()
+    store.put_bytes("bucket", "pfx/d/old", b"x")
+    (tmp_path / "state").mkdir(mode=0o700)
+    cfg = MountConfig(cache_dir=tmp_path / "state" / "cache", metadata_ttl_s=0.2)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, cfg)
+            d = (await core.lookup(vol, "d")).ino
+            await core.refresh_listing(core.node(d))
+            store.put_bytes("bucket", "pfx/d/new", b"made elsewhere")
+            store.fail_next = True
+            n.start_soon(core._refresh_ahead, core.node(d))
+            await trio.sleep(0.25)  # expired, its refresh still on its way
+            assert core.node(d).listing_refresh is not None
+            fh = await core.opendir(d)
+            names = sorted(name for _, name, _ in core.readdir(fh, 0))
+            assert names == ["new", "old"], names
             await committer.shutdown(drain=True)
             n.cancel_scope.cancel()
 
