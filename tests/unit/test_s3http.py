@@ -506,7 +506,8 @@ def test_a_get_answered_with_another_version_is_stale_not_data():
 
     answer = b"HTTP/1.1 206 Partial Content\r\nContent-Length: 4\r\nContent-Range: bytes 0-3/8\r\n" \
              b"ETag: \"v2\"\r\n\r\nnew!"
-    srv = _Scripted([answer, answer, answer])
+    head = b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\nETag: \"v2\"\r\n\r\n"  # the HEAD that confirms it
+    srv = _Scripted([answer, head, answer, answer])
     try:
         store = _store_at(srv)
         with pytest.raises(errors.StaleError):
@@ -515,5 +516,23 @@ def test_a_get_answered_with_another_version_is_stale_not_data():
         assert bytes(data) == b"new!" and info.etag == "v2"
         data, info = store.get("b", "k", 0, 4)
         assert bytes(data) == b"new!"
+    finally:
+        srv.close()
+
+
+def test_a_get_whose_etag_is_only_written_differently_is_the_version_asked_for():
+    """A server that honours If-Match but writes the ETag of its GET answers differently from its
+    HEAD's and LIST's (MinIO did so for some encrypted objects): the HEAD says the object is still
+    the version asked for, and the bytes are taken. Refused, every read of the file would be ESTALE,
+    and so would every open after it looked the name up again."""
+    answer = b"HTTP/1.1 206 Partial Content\r\nContent-Length: 4\r\nContent-Range: bytes 0-3/8\r\n" \
+             b"ETag: \"20000f00e627-encrypted-form\"\r\n\r\nold!"
+    head = b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\nETag: \"v1\"\r\n\r\n"
+    srv = _Scripted([answer, head])
+    try:
+        store = _store_at(srv)
+        data, _ = store.get("b", "k", 0, 4, etag="v1")
+        assert bytes(data) == b"old!"
+        assert [r.split(b" ", 1)[0] for _, r in srv.requests] == [b"GET", b"HEAD"]
     finally:
         srv.close()
