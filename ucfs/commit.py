@@ -496,6 +496,13 @@ class Committer:
                 log.warning("stopped draining (%s): %d file(s), %.1f MiB stay staged; the next mount "
                             "of this cache directory commits them", self._drain_stopped, len(left),
                             sum(s.size for s in left) / MiB)
+        # Removals written without a sync are synced before the journal stops: nothing closes the
+        # database (whose checkpoint would), and a power loss after the unmount would otherwise
+        # bring their rows back and commit those files again at the next mount.
+        try:
+            await self.journal.settle()
+        except OSError as e:
+            log.warning("commit journal: %s", e)
         await self.journal.close()
         with trio.move_on_after(10):
             while self.journal._queue:

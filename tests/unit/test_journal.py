@@ -154,11 +154,14 @@ def test_only_batches_someone_waits_for_pay_for_an_fsync(tmp_path):
         "SELECT count(*) FROM pending").fetchone() == (0,)
 
 
-def test_a_committed_file_s_removal_written_without_a_sync_is_made_durable_before_its_object_goes(tmp_path):
+def test_a_committed_file_s_removal_written_without_a_sync_is_made_durable_before_its_object_goes(
+        tmp_path, monkeypatch):
     """A committed file's row is removed without a sync, and a power loss can bring it back (its
     staging file too: that unlink is not synced either). Replayed, it would publish the file again
     after an unlink or a rename on this host, which writes no row of its own. So such a change in
-    the store first waits for a durable batch (`settle`), and only when one is owed."""
+    the store first waits for a durable batch (`settle`), and only when one is owed; so does an
+    unmount, after which nothing would sync them."""
+    monkeypatch.setattr(journal_mod, "LAZY_SYNC_S", 60.0)  # not the idle sync: the ones asked for
     store = MemoryStore()
     store.buckets["bucket"] = {}
     cfg = _cfg(tmp_path)
@@ -208,7 +211,16 @@ def test_a_committed_file_s_removal_written_without_a_sync_is_made_durable_befor
             n_commits = events.count("COMMIT")
             await core.rename(vol, "b", vol, "c")  # nothing owed now: no batch of its own
             assert events.count("COMMIT") == n_commits, events
+            fh, _ = await core.create(vol, "d", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            await core.write(fh, 0, b"data")
+            await core.flush(fh)
+            await core.release(fh)
+            with trio.fail_after(10):
+                while committer.staged or committer.journal._queue or committer.journal.records():
+                    await trio.sleep(0.01)
+            assert last_sync_level(events) == "NORMAL"
             await committer.shutdown(drain=True)
+            assert last_sync_level(events) == "FULL", events  # an unmount leaves nothing unsynced
             n.cancel_scope.cancel()
 
     trio.run(main)
