@@ -4,11 +4,11 @@ One sqlite3 database (WAL) in the state directory. A row is written, and made du
 (synchronous=FULL), when a file is closed with changes (after its staging file is fsynced): from then
 on a crash cannot lose it. The row is removed once the file is committed; that removal need not be
 durable at once (after a power loss the commit is simply repeated, which is harmless), so a batch of
-such statements alone is written without an fsync, and the next durable batch syncs it too (an
-unlink or rename of a committed file asks for one first, `settle`: a row back after a power loss
-would publish the old name again). A row
-removed because its file was unlinked or replaced is removed durably before the unlink returns: a
-crash must not bring a deleted file back, and publish it, at the next mount.
+such statements alone is written without an fsync, and the next durable batch syncs it too; one
+comes within LAZY_SYNC_S, and before an unlink or rename of a committed file and an unmount
+(`settle`): a row back after a power loss would publish the old name again. A row removed because
+its file was unlinked or replaced is removed durably before the unlink returns: a crash must not
+bring a deleted file back, and publish it, at the next mount.
 
 A row that names a staging file is committed only once that file's directory entry is durable: on
 a file system without a journal of its own (ext4 without one, as on these hosts) a new file's entry
