@@ -42,10 +42,12 @@ NAME_MAX_BYTES = 255
 # happened (see `Core._removed_at`): far longer than any store request may take with its retries.
 REMOVED_MEMORY_S = 600.0
 RENAME_NOREPLACE = 1  # linux/fs.h
-# A directory being looked up in a burst is listed again in the background once its listing is this
-# far through the metadata TTL, after this many lookups in that late half (`_maybe_refresh_ahead`).
-REFRESH_AHEAD_AT = 0.5
+# A directory whose listing has answered this many lookups is listed again in the background shortly
+# before the listing expires: twice its LIST's own time before, within these shares of the metadata
+# TTL (`_maybe_refresh_ahead`).
 REFRESH_AHEAD_LOOKUPS = 8
+REFRESH_AHEAD_MIN_LEAD = 0.1
+REFRESH_AHEAD_MAX_LEAD = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -349,17 +351,23 @@ class Core:
         Otherwise the first lookup after expiry lists it again itself, and holds up everyone: the
         kernel keeps the directory's lock through a lookup, so every create in the directory waits
         for the LIST, once per TTL. That is 2 pages for 2,000 names, 10 pages of 10-30 ms each on
-        a real store for 10,000. Started at half the TTL, the new listing is in before the old one
-        expires, and a lookup never waits. It costs no more LISTs than relisting on expiry does,
-        and it stops when the lookups stop."""
-        if (self._nursery is None or parent.listing_refresh is not None
-                or time.monotonic() - listing.fetched_at < self.cfg.metadata_ttl_s * REFRESH_AHEAD_AT
-                or len(listing.entries) > self.cfg.relist_max_entries):
+        a real store for 10,000. The refresh starts twice the last LIST's time before expiry (at
+        least a tenth of the TTL, at most half), so that the new listing is in before the old one
+        expires and a lookup never waits. While lookups go on, the directory is listed about once
+        per TTL, a little more often than relisting on expiry (at most twice as often, for a LIST
+        that takes a quarter of the TTL or more); it stops when the lookups stop."""
+        listing.lookups += 1
+        if (listing.refreshed_ahead or listing.lookups < REFRESH_AHEAD_LOOKUPS or self._nursery is None
+                or parent.listing_refresh is not None or len(listing.entries) > self.cfg.relist_max_entries):
             return
-        listing.late_lookups += 1
-        if listing.late_lookups == REFRESH_AHEAD_LOOKUPS:
-            self.stats["listings_ahead"] += 1
-            self._nursery.start_soon(self._refresh_ahead, parent)
+        ttl = self.cfg.metadata_ttl_s
+        took = max(0.0, listing.fetched_at - listing.as_of)  # the LIST's own time
+        lead = min(ttl * REFRESH_AHEAD_MAX_LEAD, max(2 * took, ttl * REFRESH_AHEAD_MIN_LEAD))
+        if time.monotonic() - listing.fetched_at < ttl - lead:
+            return
+        listing.refreshed_ahead = True
+        self.stats["listings_ahead"] += 1
+        self._nursery.start_soon(self._refresh_ahead, parent)
 
     async def _refresh_ahead(self, parent: Inode) -> None:
         try:

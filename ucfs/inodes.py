@@ -57,7 +57,8 @@ class Listing:
     fetched_at: float  # time.monotonic()
     marker: bool = False  # the directory has its own marker object ("dir/"), so it outlives its contents
     asked_at: float | None = None  # when the LIST was sent: what it says is true as of then
-    late_lookups: int = 0  # lookups answered from it in the second half of its life (core: refresh ahead)
+    lookups: int = 0  # lookups it answered (core.Core._maybe_refresh_ahead)
+    refreshed_ahead: bool = False  # its replacement was asked for before it expired
 
     @property
     def as_of(self) -> float:

@@ -21,13 +21,14 @@ LIST_S = 0.3
 
 
 class _SlowList(MemoryStore):
-    def __init__(self):
+    def __init__(self, list_s: float = LIST_S):
         super().__init__()
         self.lists = 0
+        self.list_s = list_s
 
     def list_page(self, *args, **kwargs):
         self.lists += 1
-        time.sleep(LIST_S)  # a store thread's time, as a LIST of thousands of names over a WAN
+        time.sleep(self.list_s)  # a store thread's time, as a LIST of thousands of names over a WAN
         return super().list_page(*args, **kwargs)
 
 
@@ -65,6 +66,35 @@ def test_a_directory_looked_up_in_a_burst_never_makes_a_lookup_wait_for_its_list
             # ... and no more LISTs than one per half TTL.
             assert store.lists - lists0 <= 4.0 / (cfg.metadata_ttl_s / 2) + 1, store.lists - lists0
             assert core.stats["listings_ahead"] >= 3
+            await committer.shutdown(drain=True)
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_quick_listing_is_refreshed_shortly_before_it_expires_not_at_half_its_life(tmp_path):
+    """The refresh starts twice the LIST's own time before expiry (a tenth of the TTL at least):
+    for a LIST that takes 10 ms, a directory looked up without pause is listed about once per TTL,
+    as often as relisting on expiry would, not once per half TTL."""
+    store = _SlowList(list_s=0.01)
+    for i in range(50):
+        store.put_bytes("bucket", f"pfx/d/f{i:04d}", b"x")
+    (tmp_path / "state").mkdir(mode=0o700)
+    cfg = MountConfig(cache_dir=tmp_path / "state" / "cache", metadata_ttl_s=1.0)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, cfg)
+            d = (await core.lookup(vol, "d")).ino
+            await core.refresh_listing(core.node(d))
+            lists0, start, k = store.lists, time.monotonic(), 0
+            while time.monotonic() - start < 4.0:
+                assert await core.lookup(d, f"new-{k}") is None
+                k += 1
+                await trio.sleep(0.01)
+            lists = store.lists - lists0
+            assert 3 <= lists <= 5, lists  # 4 s of lookups; refreshing at half the TTL made 7 or 8
+            assert core.stats["listings_ahead"] >= 3  # ... and each of them ahead of time
             await committer.shutdown(drain=True)
             n.cancel_scope.cancel()
 
