@@ -512,19 +512,25 @@ CATALOGS = {
 }
 
 
+def _mount_refused(tmp_path, cat):
+    """`ucfs mount --foreground` with this catalog, expected to refuse: its completed process (a
+    mount it made after all is taken away again)."""
+    mnt = tmp_path / "mnt"
+    try:
+        return subprocess.run([sys.executable, "-m", "ucfs", "mount", str(mnt), "--config", str(cat), "--foreground",
+                               "--cache-dir", str(tmp_path / "state")], capture_output=True, text=True, timeout=60,
+                              cwd=REPO)
+    finally:
+        if os.path.ismount(mnt):
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
+
+
 @pytest.mark.parametrize("case", sorted(CATALOGS))
 def test_a_malformed_catalog_is_one_message_naming_file_and_line(tmp_path, case):
     text, line, words = CATALOGS[case]
     cat = tmp_path / "bad catalog.toml"  # a space in the name, to be sure it is quoted whole
     cat.write_bytes(text if isinstance(text, bytes) else text.encode())
-    mnt = tmp_path / "mnt"
-    try:
-        r = subprocess.run([sys.executable, "-m", "ucfs", "mount", str(mnt), "--config", str(cat), "--foreground",
-                            "--cache-dir", str(tmp_path / "state")], capture_output=True, text=True, timeout=60,
-                           cwd=REPO)
-    finally:
-        if os.path.ismount(mnt):
-            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
+    r = _mount_refused(tmp_path, cat)
     assert r.returncode == 1, (r.returncode, r.stderr)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr  # one message, no traceback
@@ -542,14 +548,7 @@ def test_a_local_location_that_is_no_directory_is_one_message_saying_so(tmp_path
         where.write_text("x")
     cat = tmp_path / "catalog.toml"
     cat.write_text(f'[volumes."a.b.c"]\nlocation = "{where}"\n')
-    mnt = tmp_path / "mnt"
-    try:
-        r = subprocess.run([sys.executable, "-m", "ucfs", "mount", str(mnt), "--config", str(cat), "--foreground",
-                            "--cache-dir", str(tmp_path / "state")], capture_output=True, text=True, timeout=60,
-                           cwd=REPO)
-    finally:
-        if os.path.ismount(mnt):
-            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
+    r = _mount_refused(tmp_path, cat)
     assert r.returncode == 1, (r.returncode, r.stderr)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr

@@ -197,27 +197,25 @@ def test_a_committed_file_s_removal_written_without_a_sync_is_made_durable_befor
         async with trio.open_nursery() as n:
             core, committer, vol = await open_core(tmp_path, store, n, cfg)
             committer.journal._db.set_trace_callback(trace)
-            for name in ("a", "b"):
-                fh, _ = await core.create(vol, name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-                await core.write(fh, 0, b"data")
-                await core.flush(fh)
-                await core.release(fh)
-            with trio.fail_after(10):
-                while committer.staged or committer.journal._queue or committer.journal.records():
-                    await trio.sleep(0.01)
+
+            async def written_and_committed(*names):
+                for name in names:
+                    fh, _ = await core.create(vol, name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                    await core.write(fh, 0, b"data")
+                    await core.flush(fh)
+                    await core.release(fh)
+                with trio.fail_after(10):  # and the rows' removals written
+                    while committer.staged or committer.journal._queue or committer.journal.records():
+                        await trio.sleep(0.01)
+
+            await written_and_committed("a", "b")
             assert last_sync_level(events) == "NORMAL"  # the removals went out without a sync
             await core.unlink(vol, "a")
             assert last_sync_level(events[:events.index("delete pfx/a")]) == "FULL", events
             n_commits = events.count("COMMIT")
             await core.rename(vol, "b", vol, "c")  # nothing owed now: no batch of its own
             assert events.count("COMMIT") == n_commits, events
-            fh, _ = await core.create(vol, "d", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            await core.write(fh, 0, b"data")
-            await core.flush(fh)
-            await core.release(fh)
-            with trio.fail_after(10):
-                while committer.staged or committer.journal._queue or committer.journal.records():
-                    await trio.sleep(0.01)
+            await written_and_committed("d")
             assert last_sync_level(events) == "NORMAL"
             await committer.shutdown(drain=True)
             assert last_sync_level(events) == "FULL", events  # an unmount leaves nothing unsynced

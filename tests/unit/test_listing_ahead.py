@@ -32,18 +32,30 @@ class _SlowList(MemoryStore):
         return super().list_page(*args, **kwargs)
 
 
+def _config(tmp_path, store: MemoryStore, names: list[str], ttl_s: float) -> MountConfig:
+    """A state directory and a config with this TTL; `names` made under the volume's d/."""
+    for name in names:
+        store.put_bytes("bucket", f"pfx/d/{name}", b"x")
+    (tmp_path / "state").mkdir(mode=0o700)
+    return MountConfig(cache_dir=tmp_path / "state" / "cache", metadata_ttl_s=ttl_s)
+
+
+async def _listed_dir(tmp_path, store, nursery, cfg):
+    """A core over `store` with d/ looked up and listed, as `ls` or a loader's scan does first:
+    (core, committer, the volume's inode, d's inode)."""
+    core, committer, vol = await open_core(tmp_path, store, nursery, cfg)
+    d = (await core.lookup(vol, "d")).ino
+    await core.refresh_listing(core.node(d))
+    return core, committer, vol, d
+
+
 def test_a_directory_looked_up_in_a_burst_never_makes_a_lookup_wait_for_its_listing(tmp_path):
     store = _SlowList()
-    for i in range(200):
-        store.put_bytes("bucket", f"pfx/d/f{i:04d}", b"x")
-    (tmp_path / "state").mkdir(mode=0o700)
-    cfg = MountConfig(cache_dir=tmp_path / "state" / "cache", metadata_ttl_s=1.0)
+    cfg = _config(tmp_path, store, [f"f{i:04d}" for i in range(200)], ttl_s=1.0)
 
     async def main():
         async with trio.open_nursery() as n:
-            core, committer, vol = await open_core(tmp_path, store, n, cfg)
-            d = (await core.lookup(vol, "d")).ino
-            await core.refresh_listing(core.node(d))  # as `ls` or a loader's scan does first
+            core, committer, vol, d = await _listed_dir(tmp_path, store, n, cfg)
             lists0, slowest, seen_late = store.lists, 0.0, None
             start = time.monotonic()
             added = None
@@ -77,16 +89,11 @@ def test_a_quick_listing_is_refreshed_shortly_before_it_expires_not_at_half_its_
     for a LIST that takes 10 ms, a directory looked up without pause is listed about once per TTL,
     as often as relisting on expiry would, not once per half TTL."""
     store = _SlowList(list_s=0.01)
-    for i in range(50):
-        store.put_bytes("bucket", f"pfx/d/f{i:04d}", b"x")
-    (tmp_path / "state").mkdir(mode=0o700)
-    cfg = MountConfig(cache_dir=tmp_path / "state" / "cache", metadata_ttl_s=1.0)
+    cfg = _config(tmp_path, store, [f"f{i:04d}" for i in range(50)], ttl_s=1.0)
 
     async def main():
         async with trio.open_nursery() as n:
-            core, committer, vol = await open_core(tmp_path, store, n, cfg)
-            d = (await core.lookup(vol, "d")).ino
-            await core.refresh_listing(core.node(d))
+            core, committer, vol, d = await _listed_dir(tmp_path, store, n, cfg)
             lists0, start, k = store.lists, time.monotonic(), 0
             while time.monotonic() - start < 4.0:
                 assert await core.lookup(d, f"new-{k}") is None
@@ -122,16 +129,11 @@ def test_a_listing_sent_before_its_directory_was_renamed_is_not_taken_for_the_ne
     answer lists d/, which the rename has emptied: installed as e's listing, it would say e's files
     do not exist, for a whole TTL, and take their inodes away."""
     store = _ListWhenAnswering()
-    for i in range(3):
-        store.put_bytes("bucket", f"pfx/d/f{i}", b"x")
-    (tmp_path / "state").mkdir(mode=0o700)
-    cfg = MountConfig(cache_dir=tmp_path / "state" / "cache", metadata_ttl_s=5.0)
+    cfg = _config(tmp_path, store, [f"f{i}" for i in range(3)], ttl_s=5.0)
 
     async def main():
         async with trio.open_nursery() as n:
-            core, committer, vol = await open_core(tmp_path, store, n, cfg)
-            d = (await core.lookup(vol, "d")).ino
-            await core.refresh_listing(core.node(d))
+            core, committer, vol, d = await _listed_dir(tmp_path, store, n, cfg)
             assert await core.lookup(d, "f0") is not None
             sent = store.sent
             n.start_soon(core.refresh_listing, core.node(d))  # as _maybe_refresh_ahead does
@@ -170,15 +172,11 @@ def test_a_listing_that_failed_in_the_background_is_not_shown_once_expired(tmp_p
     expired listing is not what it shows: files made elsewhere since would be missing past the
     TTL. It lists the directory itself."""
     store = _FailingOnce()
-    store.put_bytes("bucket", "pfx/d/old", b"x")
-    (tmp_path / "state").mkdir(mode=0o700)
-    cfg = MountConfig(cache_dir=tmp_path / "state" / "cache", metadata_ttl_s=0.2)
+    cfg = _config(tmp_path, store, ["old"], ttl_s=0.2)
 
     async def main():
         async with trio.open_nursery() as n:
-            core, committer, vol = await open_core(tmp_path, store, n, cfg)
-            d = (await core.lookup(vol, "d")).ino
-            await core.refresh_listing(core.node(d))
+            core, committer, vol, d = await _listed_dir(tmp_path, store, n, cfg)
             store.put_bytes("bucket", "pfx/d/new", b"made elsewhere")
             store.fail_next = True
             n.start_soon(core._refresh_ahead, core.node(d))
