@@ -221,8 +221,7 @@ class Journal:
     def _write(self, batch) -> None:
         if self._unsynced_names and any(name in self._unsynced_names for *_, name in batch):
             self.sync_staging_dir()
-        if not self._reserve.exists():
-            self._make_reserve()
+        self._make_reserve()  # again once there is room (a stat while it is there)
         try:
             self._write_batch(batch)
         except sqlite3.OperationalError as e:
