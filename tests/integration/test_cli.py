@@ -163,8 +163,11 @@ def test_ctrl_c_during_the_bucket_check_stops_the_mount_at_once(mount_factory, s
     cat.write_text(m.catalog_text)
     args = [sys.executable, "-m", "ucfs", "mount", str(m.mountpoint), "--config", str(cat),
             "--cache-dir", str(m.state_dir), "--store-timeout", "20", *(() if daemon else ("-f",))]
+    # A terminal's foreground process has SIGINT at its default; a command started in the background
+    # by a non-interactive shell (a CI runner's, `cmd &`) inherits it ignored, and Python then raises
+    # no KeyboardInterrupt. The mount is started as a terminal would, whatever ran the suite.
     proc = subprocess.Popen(args, env=m.env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         lock = m.state_dir / "lock"  # the daemon writes its pid there before the check
         assert wait_until(lambda: lock.exists() and lock.read_text().startswith("pid "), 30)
