@@ -48,6 +48,12 @@ RENAME_NOREPLACE = 1  # linux/fs.h
 REFRESH_AHEAD_LOOKUPS = 8
 REFRESH_AHEAD_MIN_LEAD = 0.1
 REFRESH_AHEAD_MAX_LEAD = 0.5
+# At most this many of those refreshes are on their way at once, whatever the number of hot
+# directories (a loader touching hundreds of them): each is a LIST (or several pages) taken from the
+# store's limiter that foreground reads wait on. A directory that finds no room is not queued; it is
+# tried again at its next lookup, and otherwise listed on expiry, as without refreshes ahead. Four
+# LISTs of 10-30 ms still refresh a hundred or more directories a second.
+REFRESH_AHEAD_MAX_IN_FLIGHT = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +159,8 @@ class Core:
         # would serve an old version from the cache; a stale name would bring a deleted file back).
         self._changed_at: weakref.WeakKeyDictionary[Inode, float] = weakref.WeakKeyDictionary()
         self._removed_at: dict[tuple[int, str], float] = {}  # (parent inode, name) -> when
+        # Directories whose background refresh is on its way (REFRESH_AHEAD_MAX_IN_FLIGHT).
+        self._refreshing_ahead: set[Inode] = set()
 
     def attach(self, nursery: trio.Nursery) -> None:
         """Background work (read-ahead, refreshes) runs in the mount's nursery."""
@@ -355,7 +363,8 @@ class Core:
         least a tenth of the TTL, at most half), so that the new listing is in before the old one
         expires and a lookup never waits. While lookups go on, the directory is listed about once
         per TTL, a little more often than relisting on expiry (at most twice as often, for a LIST
-        that takes a quarter of the TTL or more); it stops when the lookups stop."""
+        that takes a quarter of the TTL or more); it stops when the lookups stop. No more than
+        REFRESH_AHEAD_MAX_IN_FLIGHT are on their way at once."""
         listing.lookups += 1
         if (listing.refreshed_ahead or listing.lookups < REFRESH_AHEAD_LOOKUPS or self._nursery is None
                 or parent.listing_refresh is not None or len(listing.entries) > self.cfg.relist_max_entries):
@@ -365,8 +374,12 @@ class Core:
         lead = min(ttl * REFRESH_AHEAD_MAX_LEAD, max(2 * took, ttl * REFRESH_AHEAD_MIN_LEAD))
         if time.monotonic() - listing.fetched_at < ttl - lead:
             return
+        if len(self._refreshing_ahead) >= REFRESH_AHEAD_MAX_IN_FLIGHT:
+            self.stats["listings_ahead_skipped"] += 1
+            return
         listing.refreshed_ahead = True
         self.stats["listings_ahead"] += 1
+        self._refreshing_ahead.add(parent)
         self._nursery.start_soon(self._refresh_ahead, parent)
 
     async def _refresh_ahead(self, parent: Inode) -> None:
@@ -374,6 +387,8 @@ class Core:
             await self.refresh_listing(parent)
         except Exception as e:  # noqa: BLE001 - the lookup after expiry lists it again, and reports
             log.debug("listing %s ahead of time failed: %s", parent.mount_path(), e)
+        finally:
+            self._refreshing_ahead.discard(parent)
 
     async def _probe(self, vol: Volume, key: str) -> tuple[Entry | None, float]:
         """What `key` is in the store: a directory (anything under key/), a file, or nothing; and

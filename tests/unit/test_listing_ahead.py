@@ -7,12 +7,14 @@ other lookup and create in the directory waited for it (the kernel holds the dir
 
 from __future__ import annotations
 
+import threading
 import time
 
 import trio
 
 from ucfs import errors
 from ucfs.config import MountConfig
+from ucfs.core import REFRESH_AHEAD_MAX_IN_FLIGHT
 from ucfs.store import MemoryStore
 
 from tests.support import open_core
@@ -185,6 +187,68 @@ def test_a_listing_that_failed_in_the_background_is_not_shown_once_expired(tmp_p
             fh = await core.opendir(d)
             names = sorted(name for _, name, _ in core.readdir(fh, 0))
             assert names == ["new", "old"], names
+            await committer.shutdown(drain=True)
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+class _CountingList(_SlowList):
+    """A slow LIST that also records how many were on their way at once."""
+
+    def __init__(self, list_s: float = LIST_S):
+        super().__init__(list_s)
+        self._lock = threading.Lock()
+        self.in_flight = self.most_in_flight = 0
+
+    def list_page(self, *args, **kwargs):
+        with self._lock:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            return super().list_page(*args, **kwargs)
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+
+
+def test_many_hot_directories_refresh_only_a_few_listings_at_once(tmp_path):
+    """Many directories looked up in bursts (a loader's) would each send a LIST ahead of
+    expiry, all at about the same time, taking the store's limiter from foreground reads. Only
+    REFRESH_AHEAD_MAX_IN_FLIGHT go in the background at once; the others are not queued but listed
+    when their listing expires, as before, so a change made elsewhere still shows. (The store's limiter
+    here is 8 wide: without the cap, 8 LISTs went at once.)"""
+    store = _CountingList(list_s=0.1)
+    dirs = [f"d{i:02d}" for i in range(12)]
+    for name in dirs:
+        store.put_bytes("bucket", f"pfx/{name}/f", b"x")
+    cfg = _config(tmp_path, store, [], ttl_s=1.0)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, cfg)
+            inos = [(await core.lookup(vol, name)).ino for name in dirs]
+            async with trio.open_nursery() as listing:  # all listed at about the same time
+                for ino in inos:
+                    listing.start_soon(core.refresh_listing, core.node(ino))
+            store.most_in_flight = 0
+            start, added, seen, k = time.monotonic(), None, set(), 0
+            while time.monotonic() - start < 3.0:
+                if added is None and time.monotonic() - start > 0.5:
+                    for name in dirs:
+                        store.put_bytes("bucket", f"pfx/{name}/late", b"late")  # made elsewhere
+                    added = time.monotonic()
+                for ino in inos:
+                    assert await core.lookup(ino, f"new-{k}") is None
+                    if added is not None and ino not in seen and await core.lookup(ino, "late") is not None:
+                        seen.add(ino)
+                k += 1
+                await trio.sleep(0.01)
+            # One foreground LIST (this loop's lookups wait, one at a time) besides the background's.
+            assert store.most_in_flight <= REFRESH_AHEAD_MAX_IN_FLIGHT + 1, store.most_in_flight
+            assert core.stats["listings_ahead"] >= 1
+            assert core.stats["listings_ahead_skipped"] >= 1
+            assert len(seen) == len(dirs), f"{len(dirs) - len(seen)} directories never showed 'late'"
             await committer.shutdown(drain=True)
             n.cancel_scope.cancel()
 
