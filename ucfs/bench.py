@@ -152,6 +152,44 @@ def _process_ticks() -> dict[int, tuple[str, int]]:
     return out
 
 
+def _process_cpu_s(pid: int) -> float | None:
+    """CPU seconds process `pid` has used so far, all its threads together, ended ones included, or
+    None if it is gone.
+
+    From its CPU-time clock (the clock id glibc's clock_getcpuclockid makes: the inverted pid, then
+    CPUCLOCK_SCHED), which counts nanoseconds run as schedstat does; its stat's utime + stime (also
+    the ended threads') has only whole clock ticks."""
+    try:
+        return time.clock_gettime(((~pid) << 3) | 2)
+    except OSError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return _stat_ticks(f.read()) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+THREAD_KINDS = ("loop", "store", "disk", "journal", "other")
+
+
+def _thread_kind(pid: int, tid: int, comm: str) -> str:
+    """Which of THREAD_KINDS a daemon's thread is: its event loop (the main thread), one of its thread
+    pools (by the names ucfs.threads gives them), or another ("other": the cache index's scan...)."""
+    if tid == pid:
+        return "loop"
+    kind = comm.removeprefix("ucfs-")
+    return kind if kind in THREAD_KINDS and comm != kind else "other"
+
+
+@dataclass
+class ThreadCpu:
+    """A daemon's CPU seconds so far: each live thread's (tid -> (kind, seconds)), and the whole
+    process's, which still holds what threads that have ended used (None if unknown)."""
+    threads: dict[int, tuple[str, float]] = field(default_factory=dict)
+    process_s: float | None = None
+
+
 @dataclass
 class CpuReading:
     """What the CPUs had done at one moment: the machine by kind, each process, and this process and
@@ -626,20 +664,21 @@ class BenchMount:
     def status(self) -> dict:
         return control.query(self.mountpoint, "status")
 
-    def thread_cpu(self) -> dict[str, float]:
-        """CPU seconds the daemon's live threads have used so far, by kind: its event loop ("loop"),
-        its thread pools ("store", "disk", "journal", by the names ucfs.threads gives them) and the
-        rest ("other": the cache index's scan...).
+    def thread_cpu(self) -> "ThreadCpu":
+        """CPU seconds the daemon's live threads and the whole process have used so far (`ThreadCpu`).
 
-        From each thread's schedstat (nanoseconds run): the per-thread utime and stime in its stat
-        are tick samples rounded so as never to go back, which for a pool of threads that each ran
-        a little summed to 0.33 s where the whole process had run 0.57 s (a 1 GiB cold read)."""
-        out = dict.fromkeys(("loop", "store", "disk", "journal", "other"), 0.0)
+        Threads from each one's schedstat (nanoseconds run): the per-thread utime and stime in its
+        stat are tick samples rounded so as never to go back, which for a pool of threads that each
+        ran a little summed to 0.33 s where the whole process had run 0.57 s (a 1 GiB cold read).
+        The process is read last, so that a thread ending during the scan is counted once: up to
+        the scan among the live, the rest among the ended."""
         pid = self.proc.pid if self.proc else None
+        out = ThreadCpu()
         try:
             tids = os.listdir(f"/proc/{pid}/task")
         except (OSError, TypeError):
             return out
+        assert pid is not None
         hz = os.sysconf("SC_CLK_TCK")
         for tid in tids:
             try:
@@ -653,11 +692,8 @@ class BenchMount:
                         seconds = _stat_ticks(f.read()) / hz
                 except (OSError, ValueError, IndexError):
                     continue  # a thread that ended meanwhile
-            if int(tid) == pid:
-                out["loop"] += seconds
-            else:
-                kind = comm.removeprefix("ucfs-")
-                out[kind if kind in out and comm != kind else "other"] += seconds
+            out.threads[int(tid)] = (_thread_kind(pid, int(tid), comm), seconds)
+        out.process_s = _process_cpu_s(pid)
         return out
 
     def requests(self) -> dict[str, int]:
@@ -785,14 +821,24 @@ def _request_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, i
     return {k: after[k] - before.get(k, 0) for k in keys if after[k] - before.get(k, 0)}
 
 
-def _cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {k: after[k] - before.get(k, 0.0) for k in after}
+def _cpu_delta(before: ThreadCpu, after: ThreadCpu) -> dict[str, float]:
+    """The daemon's CPU seconds between two readings, by kind of thread (THREAD_KINDS), and "exited":
+    threads that ended in between. Pool threads end after ucfs.threads.IDLE_TIMEOUT_S idle; what
+    one used in the phase before it ended is in the process's time but in no live thread's, so it
+    is that difference, and the kinds add up to what the process used."""
+    out = dict.fromkeys(THREAD_KINDS, 0.0)
+    for tid, (kind, seconds) in after.threads.items():
+        _, was = before.threads.get(tid, (kind, 0.0))
+        out[kind] += seconds - was if seconds >= was else seconds  # less: a new thread with an old tid
+    if before.process_s is not None and after.process_s is not None:
+        out["exited"] = after.process_s - before.process_s - sum(out.values())
+    return out
 
 
 def _fmt_thread_cpu(cpu: dict[str, float]) -> str:
     """The daemon's CPU over a phase, and how its threads shared it (BenchMount.thread_cpu)."""
     names = {"loop": "event loop", "store": "store threads", "disk": "disk threads", "journal": "journal",
-             "other": "other"}
+             "other": "other", "exited": "exited threads"}
     parts = ", ".join(f"{names[k]} {v:.2f}" for k, v in cpu.items() if k in names and (v >= 0.005 or k == "loop"))
     return f"{sum(cpu.values()):.2f} s ({parts})"
 
@@ -1424,7 +1470,7 @@ class Bench:
                                            note="ceiling column: the cold read"), seconds=dt2, requests=req)
             self._verify_large(path)
 
-    def _note_daemon(self, m: BenchMount, name: str, since: dict[str, float]) -> None:
+    def _note_daemon(self, m: BenchMount, name: str, since: ThreadCpu) -> None:
         """Where the daemon's CPU went during a read, and how its read path ran: what to look at
         first when a cold read is slower than the rounds beside it."""
         cpu = _cpu_delta(since, m.thread_cpu())

@@ -7,8 +7,8 @@ import json
 import subprocess
 import sys
 
-from ucfs.bench import (BenchMount, Figure, _cpu_shares, _fmt_requests, _request_delta, combine_rounds,
-                        format_table, median_rounds)
+from ucfs.bench import (BenchMount, Figure, ThreadCpu, _cpu_delta, _cpu_shares, _fmt_requests, _fmt_thread_cpu,
+                        _request_delta, combine_rounds, format_table, median_rounds)
 
 from tests.support import REPO
 
@@ -20,6 +20,64 @@ def test_cpu_shares_are_percent_of_all_cpu_time_by_kind():
     assert shares == {"user": 25.5, "nice": 0.0, "system": 12.8, "idle": 34.0, "iowait": 4.3, "irq": 0.0,
                       "softirq": 2.1, "steal": 21.3}
     assert _cpu_shares(None, after) is None and _cpu_shares(before, before) is None
+
+
+def test_a_thread_that_ended_during_a_phase_keeps_its_cpu_in_the_daemons_split():
+    """A pool thread that ends mid-phase (after 10 s idle) is gone from /proc/<pid>/task: its time is
+    in the process's alone. The split counts what it used during the phase as "exited threads", its
+    kind keeps what its live threads used, and the kinds add up to the process's own time."""
+    before = ThreadCpu({100: ("loop", 2.0), 101: ("store", 1.0), 102: ("store", 0.5)}, process_s=3.5)
+    # 101 ran 0.7 s more, then ended; 102 ran 0.1, the loop 0.2; 103 started and ran 0.1.
+    after = ThreadCpu({100: ("loop", 2.2), 102: ("store", 0.6), 103: ("disk", 0.1)}, process_s=4.6)
+    cpu = _cpu_delta(before, after)
+    assert {k: round(v, 6) for k, v in cpu.items()} == {
+        "loop": 0.2, "store": 0.1, "disk": 0.1, "journal": 0.0, "other": 0.0, "exited": 0.7}
+    assert _fmt_thread_cpu(cpu) == ("1.10 s (event loop 0.20, store threads 0.10, disk threads 0.10, "
+                                    "exited threads 0.70)")
+    # Without the process's time (the daemon is gone) there is no "exited" share to give.
+    assert "exited" not in _cpu_delta(before, ThreadCpu(after.threads))
+
+
+_BURNER = """
+import os, sys, threading, time
+def burn():
+    with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
+        f.write("ucfs-store")
+    while time.thread_time() < 0.3:
+        pass
+print("ready", flush=True)
+sys.stdin.readline()
+t = threading.Thread(target=burn)
+t.start()
+t.join()
+while len(os.listdir("/proc/self/task")) > 1:  # join() returns before the OS thread is gone
+    time.sleep(0.001)
+print("done", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_daemon_thread_that_ended_is_read_from_the_process_time(tmp_path):
+    """The same through /proc and the process's CPU clock: a child whose 'ucfs-store' thread runs
+    0.3 s of CPU and ends between two readings."""
+    m = BenchMount(tmp_path, tmp_path / "catalog.toml", {}, "t")
+    m.proc = subprocess.Popen([sys.executable, "-c", _BURNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert m.proc.stdout.readline() == "ready\n"
+        before = m.thread_cpu()
+        assert [kind for kind, _ in before.threads.values()] == ["loop"] and before.process_s is not None
+        m.proc.stdin.write("go\n")
+        m.proc.stdin.flush()
+        assert m.proc.stdout.readline() == "done\n"
+        after = m.thread_cpu()
+        cpu = _cpu_delta(before, after)
+        assert 0.3 <= cpu["exited"] < 0.5, cpu
+        assert cpu["store"] == 0.0, cpu
+        assert abs(sum(cpu.values()) - (after.process_s - before.process_s)) < 1e-6
+    finally:
+        m.proc.kill()
+        m.proc.wait()
 
 
 def _bench(s3_endpoint, bucket, prefix, tmp_path, *args):
