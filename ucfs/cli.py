@@ -136,7 +136,7 @@ def _mount_config(args) -> MountConfig:
 
 
 def cmd_mount(args) -> int:
-    from .mount import MountOptions, check_mountpoint
+    from .mount import MountOptions, check_mountpoint, hidden_entries
 
     catalog = _load_catalog(args)
     cfg = _mount_config(args)
@@ -158,8 +158,13 @@ def cmd_mount(args) -> int:
                         drain_on_exit=not args.no_drain)
     if not os.path.exists("/dev/fuse"):
         raise UcfsError("/dev/fuse is missing: load the fuse module (modprobe fuse) or run where FUSE works")
+    hidden = hidden_entries(opts.mountpoint)
+    warning = (f"{opts.mountpoint} is not empty: its {hidden} {'entry is' if hidden == 1 else 'entries are'} "
+               "hidden while ucfs is mounted over it, and back after ucfs unmount") if hidden else ""
     if args.foreground:
         _setup_logging(args.log_level, None)
+        if warning:
+            log.warning("%s", warning)  # on stderr: the one line
         try:
             _run_mount(catalog, cfg, opts, ready=lambda: log.info("ready"))
         except BaseExceptionGroup as group:
@@ -167,7 +172,7 @@ def cmd_mount(args) -> int:
                 raise group.exceptions[0] from None
             raise
         return 0
-    return _daemonize(catalog, cfg, opts, args.log_level)
+    return _daemonize(catalog, cfg, opts, args.log_level, warning)
 
 
 def _run_mount(catalog, cfg, opts, ready) -> None:
@@ -178,14 +183,17 @@ def _run_mount(catalog, cfg, opts, ready) -> None:
     trio.run(serve, catalog, cfg, opts, ready)
 
 
-def _daemonize(catalog, cfg, opts, log_level: str) -> int:
-    """Fork; the child mounts and tells the parent over a pipe once the mount is ready (or why not)."""
+def _daemonize(catalog, cfg, opts, log_level: str, warning: str = "") -> int:
+    """Fork; the child mounts and tells the parent over a pipe once the mount is ready (or why not).
+    A `warning` is printed by the parent and logged by the child."""
     ensure_private_dir(opts.state_dir)  # here, in the parent: a bad --cache-dir is its message
     logfile = opts.state_dir / "ucfs.log"
     r, w = os.pipe()
     pid = os.fork()
     if pid > 0:
         os.close(w)
+        if warning:
+            print(f"ucfs: warning: {warning}", file=sys.stderr)
         chunks = []
         try:
             while True:
@@ -215,6 +223,8 @@ def _daemonize(catalog, cfg, opts, log_level: str) -> int:
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
     _setup_logging(log_level, logfile)
+    if warning:
+        log.warning("%s", warning)
     code = 0
 
     def ready() -> None:

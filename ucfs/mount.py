@@ -126,6 +126,17 @@ def check_mountpoint(path: Path) -> Path:
     return path
 
 
+def hidden_entries(path: Path) -> int:
+    """How many entries the directory `path` has: a mount over it hides them until it is unmounted.
+    FUSE mounts over a non-empty directory, and nothing there is lost, but whoever put files there
+    sees them vanish and should be told why. 0 when it cannot be listed (then we cannot tell)."""
+    try:
+        with os.scandir(path) as it:
+            return sum(1 for _ in it)
+    except OSError:
+        return 0
+
+
 class StateDirLock:
     """One daemon per state directory: two daemons sharing a cache or journal would corrupt both."""
 

@@ -234,3 +234,35 @@ def test_mounting_over_a_stopped_daemons_mount_says_so_instead_of_hanging(mount_
     # Nothing was done to the mount: its daemon serves again once it runs.
     assert wait_until(lambda: os.statvfs(m.mountpoint) is not None, 30)
     assert m.stop() == 0
+
+
+def test_mounting_over_a_non_empty_directory_warns_that_its_entries_are_hidden(mount_factory, s3, bucket, prefix):
+    """FUSE mounts over a directory that has entries, and they vanish until the unmount: nothing is
+    lost, but whoever put them there was not told why. One warning line on stderr (and in the log),
+    and the mount goes on as before."""
+    m = mount_factory(start=False)
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/hello.txt", Body=b"hello")
+    mnt = m.root / "full"
+    (mnt / "sub").mkdir(parents=True)
+    (mnt / "notes.txt").write_text("mine")
+    (mnt / ".hidden").write_text("mine too")
+    with daemon_mount(m, mnt) as mounted:
+        warnings = [line for line in mounted.stderr.splitlines() if line.strip()]
+        assert warnings == [f"ucfs: warning: {mnt} is not empty: its 3 entries are hidden while ucfs is mounted "
+                            "over it, and back after ucfs unmount"], mounted.stderr
+        assert f"WARNING ucfs: {mnt} is not empty: its 3 entries" in (m.state_dir / "ucfs.log").read_text()
+        assert sorted(os.listdir(mnt)) == ["test"]
+        assert (mnt / "test" / "s" / "vol" / "hello.txt").read_bytes() == b"hello"
+        r = ucfs(m, "unmount", str(mnt))
+        assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(mnt)) == [".hidden", "notes.txt", "sub"]
+    assert (mnt / "notes.txt").read_text() == "mine"
+    # An empty one, the usual case, says nothing; in the foreground the log line is the warning.
+    with daemon_mount(m, m.root / "empty") as mounted:
+        assert mounted.stderr == "", mounted.stderr
+        assert ucfs(m, "unmount", str(m.root / "empty")).returncode == 0
+    m.mountpoint.mkdir()
+    (m.mountpoint / "one").write_text("x")
+    m.start()
+    assert m.log_path.read_text().count(f"{m.mountpoint} is not empty: its 1 entry is hidden") == 1
+    assert m.stop() == 0
