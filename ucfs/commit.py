@@ -1655,6 +1655,16 @@ class Committer:
         except errors.StoreError as e:
             st.error = e
             self._invalidate_stream(s, f"part upload failed: {e}")
+        except Exception as e:  # noqa: BLE001 - this task's nursery is the committer's: all of it would end
+            # This host's own trouble (the staging file could not be read: EIO, say) or a bug. The
+            # stream is given up like one the store refused: the file is committed whole after its
+            # close, by a worker that handles the error as any commit's.
+            if isinstance(e, OSError):
+                log.warning("stream part %d of %s failed here: %s", n, s.node.mount_path(), e)
+            else:
+                log.exception("stream part %d of %s failed unexpectedly", n, s.node.mount_path())
+            st.error = e
+            self._invalidate_stream(s, f"part {n} failed here: {e!r}")
         finally:
             st.inflight -= 1
             if st.inflight == 0:

@@ -814,3 +814,54 @@ def test_a_close_during_the_commit_mark_names_the_staging_file_it_leaves(tmp_pat
             n.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a_stream_part_the_staging_file_cannot_give_abandons_the_stream_not_the_mount(tmp_path, monkeypatch,
+                                                                                      caplog):
+    """A part of a stream is read from the staging file in a disk thread. A read that fails there
+    (EIO from the disk) raised past the part's task, whose only catch was for the store's errors,
+    into the committer's nursery: every commit worker was cancelled with it, and the mount ended.
+    It must abandon the stream instead, saying why, and the file still reaches the store whole (by a
+    later stream, or committed whole after its close)."""
+    monkeypatch.setattr(commit_mod, "STREAM_START_BYTES", 4 * MiB)
+    store = GatedStore()
+    data = os.urandom(12 * MiB + 5)
+    failed = []
+    real_preadv, real_pread = os.preadv, os.pread
+
+    def failing(real):
+        def read(fd, *args):
+            if not failed and fd == failing.fd:
+                failed.append(fd)
+                raise OSError(5, "Input/output error")
+            return real(fd, *args)
+        return read
+
+    failing.fd = None
+    monkeypatch.setattr(os, "preadv", failing(real_preadv))
+    monkeypatch.setattr(os, "pread", failing(real_pread))
+
+    async def main():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, _cfg(tmp_path))
+            fh, _ = await core.create(vol, "s.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            failing.fd = core.file_handle(fh).staged.fd  # the stream's first part read fails
+            for off in range(0, len(data), MiB):
+                await core.write(fh, off, data[off:off + MiB])
+            with trio.fail_after(10):
+                while not committer.statistics().get("streams_abandoned"):
+                    await trio.sleep(0.01)
+            await core.flush(fh)
+            await core.release(fh)
+            with trio.fail_after(30):
+                while _stored(store, "s.bin") != data or committer.journal.records():
+                    await trio.sleep(0.01)
+            assert committer.statistics()["streams_abandoned"] == 1
+            await committer.shutdown(drain=True)
+            n.cancel_scope.cancel()
+
+    with caplog.at_level("INFO", logger="ucfs.commit"):
+        trio.run(main)
+    assert failed
+    assert any(r.levelname == "WARNING" and "of /a/b/c/s.bin failed here" in r.getMessage()
+               and "Input/output error" in r.getMessage() for r in caplog.records), caplog.text
