@@ -386,7 +386,7 @@ class Committer:
     async def _replay(self) -> None:
         """Take up what a previous daemon left: every journal row is committed again."""
         intended: dict[tuple[str, str], list[tuple[str, float]]] = {}
-        for upload_id, vname, key, created in self.journal.uploads():
+        for upload_id, vname, key, created in await self.journal.read_uploads():
             vol = self._volume(vname)
             if vol is None:
                 self.journal.remove_upload_nowait(upload_id)
@@ -396,7 +396,7 @@ class Committer:
                 await self._abort_quietly(vol, key, upload_id)  # also forgets it
         for (vname, key), intents in intended.items():
             await self._abort_intended(self._volume(vname), key, intents)
-        records = self.journal.records()
+        records = await self.journal.read_records()
         named = {r.staging for r in records}
         self._collect_orphans(named)
         # Several rows for one path: only the one changed last (its close, or the rename that put it

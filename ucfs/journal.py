@@ -143,6 +143,20 @@ class Journal:
             self._db.execute("ALTER TABLE pending ADD COLUMN seq INTEGER NOT NULL DEFAULT 0")
 
     # -- reading (at mount, before serving) -------------------------------------------------------
+    # Blocking, on the connection the journal's thread writes with: call them before `run` or after
+    # it has ended, or through `read_records`/`read_uploads` while it runs. sqlite3 leaves it to us to
+    # keep two threads from using one connection at once (check_same_thread=False): a read from
+    # another thread runs inside the transaction of a batch being written, sees its rows before
+    # they are committed (and a rollback, on a full disk, may take them back), and waits on the
+    # connection's mutex through the batch's fsync, in the event loop.
+    async def read_records(self) -> list[Record]:
+        """`records`, in the journal's thread: between its batches, never during one."""
+        return await self._thread.run(self.records)
+
+    async def read_uploads(self) -> list[tuple[str, str, str, float]]:
+        """`uploads`, in the journal's thread."""
+        return await self._thread.run(self.uploads)
+
     def records(self) -> list[Record]:
         rows = self._db.execute("SELECT id, volume, path, staging, size, state, attempts, error, "
                                 "created, updated, seq FROM pending ORDER BY id").fetchall()

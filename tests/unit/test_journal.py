@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import threading
+import time
 
 import trio
 
@@ -300,3 +302,92 @@ def test_a_journal_from_before_the_change_counter_opens_and_replays_by_time(tmp_
     trio.run(_rows, journal, [(Journal.add, "a.b.c", "f.bin", "new.data", 3)])
     assert [(r.staging, r.seq) for r in journal.records()] == [("old.data", 0), ("new.data", 1)]
     journal.close_db()
+
+
+class _WatchedConnection:
+    """The journal's sqlite connection, noting every statement run from another thread while one
+    thread has a transaction open on it. Each transaction is held open a while (after BEGIN) so that
+    a read that can overlap one does."""
+
+    def __init__(self, conn: sqlite3.Connection, hold_s: float):
+        self._conn, self._hold_s = conn, hold_s
+        self.owner: int | None = None
+        self.overlaps: list[str] = []
+
+    def _check(self, sql: str) -> None:
+        if self.owner is not None and self.owner != threading.get_ident():
+            self.overlaps.append(sql)
+
+    def execute(self, sql, *args):
+        self._check(sql)
+        return self._conn.execute(sql, *args)
+
+    def cursor(self):
+        return _WatchedCursor(self, self._conn.cursor())
+
+    def __getattr__(self, name):
+        return getattr(self._conn, name)
+
+
+class _WatchedCursor:
+    def __init__(self, watched: _WatchedConnection, cur: sqlite3.Cursor):
+        self._watched, self._cur = watched, cur
+
+    def execute(self, sql, *args):
+        w = self._watched
+        w._check(sql)
+        out = self._cur.execute(sql, *args)
+        if sql.startswith("BEGIN"):
+            w.owner = threading.get_ident()
+            time.sleep(w._hold_s)
+        elif sql in ("COMMIT", "ROLLBACK"):
+            w.owner = None
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._cur, name)
+
+
+class _SlowAbortStore(MemoryStore):
+    def abort_multipart(self, *args):
+        time.sleep(0.05)  # the removal queued after the one before is being written meanwhile
+        return super().abort_multipart(*args)
+
+
+def test_replay_reads_the_journal_only_between_its_batches(tmp_path, monkeypatch):
+    """The journal's connection is shared with its writing thread (check_same_thread=False), and
+    sqlite3 leaves it to us to keep the two from using it at once. Replay read the pending rows in
+    trio's thread while the upload removals it had queued were being written in the journal's: a
+    read inside another thread's open transaction, which sees that transaction's rows before they
+    are committed (only uploads rows today, so nothing was read wrong yet)."""
+    cfg, staging = _state(tmp_path)
+    store = _SlowAbortStore()
+    store.buckets["bucket"] = {}
+    left = [store.create_multipart("bucket", f"pfx/big{i}.bin") for i in range(3)]
+    (staging / "f.data").write_bytes(b"closed")
+    journal = Journal(tmp_path / "state" / "journal.sqlite3", staging_dir=staging)
+    trio.run(_rows, journal, [(Journal.add_upload, u, "a.b.c", f"pfx/big{i}.bin") for i, u in enumerate(left)]
+             + [(Journal.add, "a.b.c", "f.bin", "f.data", 6)])
+    journal.close_db()
+
+    watched: list[_WatchedConnection] = []
+    real_connect = sqlite3.connect
+
+    def connect(*args, **kw):
+        watched.append(_WatchedConnection(real_connect(*args, **kw), hold_s=0.5))
+        return watched[-1]
+
+    monkeypatch.setattr(journal_mod.sqlite3, "connect", connect)
+
+    async def mount_again():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, cfg)
+            during_replay.extend(watched[0].overlaps)  # replay is over once the committer has started
+            await committer.shutdown(drain=True)
+            n.cancel_scope.cancel()
+
+    during_replay: list[str] = []
+    trio.run(mount_again)
+    assert store.get("bucket", "pfx/f.bin")[0] == b"closed"
+    assert store.list_multipart("bucket", "pfx/") == []  # every upload left was aborted
+    assert during_replay == []
