@@ -96,8 +96,9 @@ SPACE_CHECK_BYTES = 16 * MiB
 # Retry delays for transient failures: doubling from the first, jittered, capped.
 RETRY_FIRST_S = 0.5
 RETRY_CAP_S = 60.0
-# A multipart upload a killed daemon created but never recorded is looked for among the key's
-# uploads created from this long before its intent record (the store's clock against ours)...
+# A multipart upload a killed daemon may have created but never recorded is looked for, to be named in
+# the log, among the key's uploads created from this long before its intent record (the store's
+# clock against ours)...
 INTENT_CLOCK_SLACK_S = 120.0
 # ... to this long after it (a create that took its retries, plus the same slack).
 INTENT_CREATE_WINDOW_S = 600.0
@@ -395,7 +396,7 @@ class Committer:
             else:
                 await self._abort_quietly(vol, key, upload_id)  # also forgets it
         for (vname, key), intents in intended.items():
-            await self._abort_intended(self._volume(vname), key, intents)
+            await self._report_intended(self._volume(vname), key, intents)
         records = await self.journal.read_records()
         named = {r.staging for r in records}
         self._collect_orphans(named)
@@ -1542,11 +1543,12 @@ class Committer:
             raise
 
     async def _start_upload(self, vol: Volume, store: AsyncStore, key: str) -> str:
-        """Create a multipart upload, recorded durably first so a crash cannot leak it.
+        """Create a multipart upload, recorded durably first so a crash cannot leave its parts behind.
 
         The record is made before the upload exists (an intent: key and time) and given the upload's
-        id once the store answers. A daemon killed in between leaves an intent, and the next mount
-        looks for the upload it may have created (`_abort_intended`)."""
+        id once the store answers; no part is sent before that. A daemon killed in between leaves an
+        intent, and the next mount names in the log the uploads it may have created
+        (`_report_intended`)."""
         intent = await self.journal.add_upload_intent(vol.full_name, key)
         try:
             upload_id = await store.create_multipart(vol.bucket, key)
@@ -1565,26 +1567,25 @@ class Committer:
             raise
         return upload_id
 
-    async def _abort_intended(self, vol: Volume, key: str, intents: list[tuple[str, float]]) -> None:
-        """Abort the multipart uploads of `key` a killed daemon may have created after recording
-        `intents` ((id, time) rows) but before recording their ids: those of that key created from a
-        little before the first intent to a while after the last (the store's clock may differ from
-        ours, and a create may take its retries). Another writer's upload of the same key in that
-        window would go too; it fails and is retried by its writer."""
-        store = self.core.store_for(vol)
-        try:
-            uploads = await store.list_multipart(vol.bucket, key)
-        except errors.StoreError as e:
-            log.warning("could not look for multipart uploads left of %r: %s (will look again at the next "
-                        "mount)", key, e)
-            return
+    async def _report_intended(self, vol: Volume, key: str, intents: list[tuple[str, float]]) -> None:
+        """A killed daemon recorded `intents` ((id, time) rows) for multipart uploads of `key` and
+        never their ids: each create may have reached the store with its answer lost, or not. Such
+        an upload holds no parts (none is sent before its id is recorded), so leaving it costs no
+        stored bytes; but it cannot be told from another writer's upload of the same key (another
+        host's, busy with its parts): the store lists only key and time for both. Aborting by key
+        and time aborted those too. The uploads it may be are named in the log, for the operator or
+        the bucket's lifecycle rule for incomplete uploads, and only the intents go."""
         lo = min(t for _, t in intents) - INTENT_CLOCK_SLACK_S
         hi = max(t for _, t in intents) + INTENT_CREATE_WINDOW_S
-        for u in uploads:
-            if u.key == key and (u.initiated is None or lo <= u.initiated <= hi):
-                log.info("aborting multipart upload %s of %r, created by a daemon that was stopped before "
-                         "recording it", u.upload_id, key)
-                await self._abort_quietly(vol, key, u.upload_id)
+        try:
+            uploads = await self.core.store_for(vol).list_multipart(vol.bucket, key)
+            found = ", ".join(u.upload_id for u in uploads
+                              if u.key == key and (u.initiated is None or lo <= u.initiated <= hi)) or "none"
+        except errors.StoreError as e:
+            found = f"not known ({e})"
+        log.warning("a daemon stopped while creating a multipart upload of %r may have left it behind, holding "
+                    "no parts; it is not aborted, since another writer's upload of that key looks the same. "
+                    "Uploads of that key from then: %s", key, found)
         for intent, _ in intents:
             self.journal.remove_upload_nowait(intent)
 

@@ -460,29 +460,36 @@ def test_shutil_copytree_and_rmtree(mount, tmp_path):
     assert not (mount.path() / "ct").exists()
 
 
-def test_a_multipart_upload_created_just_before_a_kill_is_aborted_at_the_next_mount(mount, s3, bucket, prefix):
+def test_an_upload_a_kill_left_unrecorded_is_named_and_another_writer_s_is_not_aborted(mount, s3, bucket, prefix):
     """The daemon records each multipart upload before creating it. Killed after the create and
-    before recording the upload's id, it leaves an intent (key, time): the next mount finds that
-    key's upload in the store and aborts it, and leaves another key's upload alone."""
+    before recording the upload's id, it leaves an intent (key, time). The next mount aborted every
+    upload of that key from those minutes, another writer's under way among them. Now it aborts
+    none: it names them in its log and forgets the intent."""
     import sqlite3
 
-    key, other = f"{prefix}/vol/intended.bin", f"{prefix}/vol/someone-else.bin"
+    key = f"{prefix}/vol/intended.bin"
     mount.stop()
     leaked = s3.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]  # as the killed daemon did
-    kept = s3.create_multipart_upload(Bucket=bucket, Key=other)["UploadId"]
+    busy = s3.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]  # another host's, under way
+    s3.upload_part(Bucket=bucket, Key=key, UploadId=busy, PartNumber=1, Body=b"x" * 100)
     db = sqlite3.connect(mount.state_dir / "journal.sqlite3")
     with db:
         db.execute("INSERT INTO uploads (upload_id, volume, key, created) VALUES (?, ?, ?, ?)",
                    ("intent:0123", "test.s.vol", key, time.time()))
     db.close()
-    mount.start()
-    uploads = s3.list_multipart_uploads(Bucket=bucket, Prefix=f"{prefix}/vol/").get("Uploads", [])
-    left = {u["UploadId"] for u in uploads}
-    assert leaked not in left and kept in left
-    s3.abort_multipart_upload(Bucket=bucket, Key=other, UploadId=kept)
-    db = sqlite3.connect(mount.state_dir / "journal.sqlite3")
-    assert wait_until(lambda: not db.execute("SELECT * FROM uploads").fetchall(), 10)
-    db.close()
+    try:
+        mount.start()
+        db = sqlite3.connect(mount.state_dir / "journal.sqlite3")
+        assert wait_until(lambda: not db.execute("SELECT * FROM uploads").fetchall(), 10)
+        db.close()
+        uploads = s3.list_multipart_uploads(Bucket=bucket, Prefix=f"{prefix}/vol/").get("Uploads", [])
+        assert {u["UploadId"] for u in uploads} == {leaked, busy}
+        assert s3.list_parts(Bucket=bucket, Key=key, UploadId=busy)["Parts"][0]["Size"] == 100
+        log = mount.log_tail(400)
+        assert "may have left it behind" in log and leaked in log and busy in log, log
+    finally:
+        for upload_id in (leaked, busy):
+            s3.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
 
 
 def test_a_file_written_here_is_in_the_cache_once_committed(mount, s3, bucket, prefix):

@@ -380,9 +380,12 @@ def test_fsync_past_a_recorded_close_leaves_no_row_that_would_roll_the_store_bac
     trio.run(main)
 
 
-def test_a_multipart_upload_created_but_never_recorded_is_aborted_at_the_next_mount(tmp_path):
+def test_an_upload_a_killed_daemon_never_recorded_is_named_and_no_other_writer_s_is_aborted(tmp_path, caplog):
     """A daemon killed after CreateMultipartUpload and before recording the upload's id leaves only
-    its intent record: the next mount aborts that key's uploads of those minutes, and no other."""
+    its intent record (key, time). The next mount aborted every upload of that key from those
+    minutes: another host's upload of the same key, busy with its parts, was aborted with it. The
+    one left by the killed daemon holds no parts, and cannot be told from the other: both stay,
+    the log names them, and the intent goes."""
     import time
 
     from ucfs.journal import Journal
@@ -390,9 +393,12 @@ def test_a_multipart_upload_created_but_never_recorded_is_aborted_at_the_next_mo
     store = GatedStore()
     cfg = _cfg(tmp_path)
     leaked = store.inner.create_multipart("bucket", "pfx/big.bin")  # what the killed daemon created
+    busy = store.inner.create_multipart("bucket", "pfx/big.bin")  # another host's, under way
+    store.inner.upload_part("bucket", "pfx/big.bin", busy, 1, b"x" * 100, 100)
     older = store.inner.create_multipart("bucket", "pfx/big.bin")  # someone else's, an hour earlier
     store.inner._uploads[older]["initiated"] = time.time() - 3600
-    other = store.inner.create_multipart("bucket", "pfx/other.bin")  # another key: not ours to touch
+    other = store.inner.create_multipart("bucket", "pfx/other.bin")  # another key
+    everyone = sorted([leaked, busy, older, other])
 
     async def record_intent():
         journal = Journal(tmp_path / "state" / "journal.sqlite3")
@@ -405,21 +411,24 @@ def test_a_multipart_upload_created_but_never_recorded_is_aborted_at_the_next_mo
     async def mount_again():
         async with trio.open_nursery() as n:
             core, committer, vol = await open_core(tmp_path, store, n, cfg)
-            left = sorted(u.upload_id for u in store.inner.list_multipart("bucket", "pfx/"))
-            assert left == sorted([older, other]) and leaked not in left
+            assert sorted(u.upload_id for u in store.inner.list_multipart("bucket", "pfx/")) == everyone
             # A multipart commit through this daemon leaves no record behind either.
             fh = await _write(core, vol, "m.bin", os.urandom(20 * MiB))
             await core.fsync(fh)
             await core.release(fh)
             assert _stored(store, "m.bin") is not None
             await committer.shutdown(drain=True)
-            while committer.journal.uploads():  # removals are written in the background
+            while committer.journal.uploads():  # the intent's removal is written in the background
                 await trio.sleep(0.01)
             n.cancel_scope.cancel()
 
     trio.run(record_intent)
-    trio.run(mount_again)
-    assert sorted(u.upload_id for u in store.inner.list_multipart("bucket", "pfx/")) == sorted([older, other])
+    with caplog.at_level("WARNING", logger="ucfs.commit"):
+        trio.run(mount_again)
+    assert sorted(u.upload_id for u in store.inner.list_multipart("bucket", "pfx/")) == everyone
+    named = [r.getMessage() for r in caplog.records if "may have left it behind" in r.getMessage()]
+    assert len(named) == 1 and "'pfx/big.bin'" in named[0], caplog.text
+    assert leaked in named[0] and busy in named[0] and older not in named[0] and other not in named[0]
 
 
 def test_a_burst_of_creates_makes_its_spares_in_few_batches(tmp_path, monkeypatch):
