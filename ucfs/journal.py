@@ -295,26 +295,38 @@ class Journal:
         self._wakeup.set()
 
     async def _execute(self, sql: str, params: tuple, *, names_file: str | None = None) -> int:
-        waiter = {"done": trio.Event()}
-        self._enqueue(sql, params, waiter, names_file)
-        await waiter["done"].wait()
-        if "error" in waiter:
-            e = waiter["error"]
-            full = getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or (
-                isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT))
-            raise OSError(errno.ENOSPC if full else errno.EIO, f"commit journal write failed: {e}")
-        return waiter.get("rowid", 0)
+        return (await self.execute_together([(sql, params, names_file)]))[0]
+
+    async def execute_together(self, statements: list[tuple[str, tuple, str | None]]) -> list[int]:
+        """Write `statements` ((sql, params, the staging file named or None), as the *_statement
+        methods make them) durably in one transaction: all of them, or none and an OSError. Queued
+        with no checkpoint between them, they go out in one batch, which `_write_batch` commits
+        whole or rolls back whole. Returns each one's rowid."""
+        waiters = [{"done": trio.Event()} for _ in statements]
+        for (sql, params, names_file), waiter in zip(statements, waiters):
+            self._enqueue(sql, params, waiter, names_file)
+        for waiter in waiters:
+            await waiter["done"].wait()
+        for waiter in waiters:
+            if "error" in waiter:
+                e = waiter["error"]
+                full = getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or (
+                    isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT))
+                raise OSError(errno.ENOSPC if full else errno.EIO, f"commit journal write failed: {e}")
+        return [waiter.get("rowid", 0) for waiter in waiters]
 
     def _next_seq(self) -> int:
         self._seq += 1
         return self._seq
 
     async def add(self, volume: str, path: str, staging: str, size: int) -> int:
+        return (await self.execute_together([self.add_statement(volume, path, staging, size)]))[0]
+
+    def add_statement(self, volume: str, path: str, staging: str, size: int) -> tuple[str, tuple, str | None]:
         now = time.time()
-        return await self._execute(
-            "INSERT INTO pending (volume, path, staging, size, state, created, updated, seq) "
-            "VALUES (?, ?, ?, ?, 'ready', ?, ?, ?)", (volume, path, staging, size, now, now, self._next_seq()),
-            names_file=staging)
+        return ("INSERT INTO pending (volume, path, staging, size, state, created, updated, seq) "
+                "VALUES (?, ?, ?, ?, 'ready', ?, ?, ?)", (volume, path, staging, size, now, now, self._next_seq()),
+                staging)
 
     async def mark_ready(self, rid: int, size: int, path: str, staging: str) -> None:
         await self._execute("UPDATE pending SET size=?, path=?, staging=?, state='ready', error='', updated=?, "
@@ -326,8 +338,11 @@ class Journal:
         await self._execute("UPDATE pending SET staging=? WHERE id=?", (staging, rid), names_file=staging)
 
     async def rename(self, rid: int, path: str) -> None:
-        await self._execute("UPDATE pending SET path=?, updated=?, seq=? WHERE id=?",
-                            (path, time.time(), self._next_seq(), rid))
+        await self.execute_together([self.rename_statement(rid, path)])
+
+    def rename_statement(self, rid: int, path: str) -> tuple[str, tuple, str | None]:
+        return ("UPDATE pending SET path=?, updated=?, seq=? WHERE id=?", (path, time.time(), self._next_seq(), rid),
+                None)
 
     def note_attempt_nowait(self, rid: int, attempts: int, error: str, failed: bool) -> None:
         self._enqueue("UPDATE pending SET attempts=?, error=?, state=?, updated=? WHERE id=?",
