@@ -239,6 +239,18 @@ class _Kept:
     generation: int  # the flushed generation it holds
 
 
+@dataclass
+class _Rename:
+    """How a staged file's rename is recorded (`Committer._plan_rename`): the journal row it changes
+    (the file's own, or a first row, whose id becomes its rid and which records `size`), or
+    neither; whether the file is then queued to be committed under the new name."""
+
+    renames_row: bool = False
+    adds_row: bool = False
+    size: int = 0
+    queue: bool = False
+
+
 @dataclass(eq=False)
 class Staged:
     node: Inode
@@ -1848,9 +1860,48 @@ class Committer:
     async def renamed_locked(self, s: Staged, old_key: str | None = None) -> None:
         """`renamed`, for a caller that already holds the file's commit lock (`namespace_lock`).
         `old_key`: where the file's object is until the caller deletes it."""
+        await self.renamed_together([(s, old_key)])
+
+    async def renamed_together(self, files: list[tuple[Staged, str | None]]) -> None:
+        """`renamed_locked` for several files (those beneath a renamed directory), their journal
+        rows changed in one transaction. The rows change all or none: a failure (the journal's disk
+        full) raises with every file's commit state as it was, for the caller to put the names back.
+        One at a time, a failure half way left the rows of some files under the new names and of
+        the others under the old ones, for the next mount to publish there."""
+        had = [(s, s.committed_generation) for s, _ in files]
+        try:
+            plans = [await self._plan_rename(s, old_key) for s, old_key in files]
+            # Made at once, with no await between: the rows' change counter (seq) and the names
+            # are those of now, as queued.
+            statements, adds = [], []  # adds: per statement, (file, size) for a first row, else None
+            for (s, _), plan in zip(files, plans):
+                if plan.renames_row and s.rid is not None:
+                    statements.append(self.journal.rename_statement(s.rid, s.node.rel_path()))
+                    adds.append(None)
+                elif plan.adds_row and s.rid is None and not s.row_pending:  # else a close added it since
+                    statements.append(self.journal.add_statement(s.volume.full_name, s.node.rel_path(),
+                                                                 s.path.name, plan.size))
+                    adds.append((s, plan.size))
+            rowids = await self.journal.execute_together(statements) if statements else []
+        except BaseException:
+            for s, generation in had:
+                s.committed_generation = generation
+            raise
+        for added, rowid in zip(adds, rowids):
+            if added is not None:
+                s, size = added
+                s.closed_size, s.rid = size, rowid
+        for (s, _), plan in zip(files, plans):
+            # Not while a writer still has it open and has written since the content recorded:
+            # that would publish a snapshot of a file half written. Its last close queues it.
+            if plan.queue and (s.writers == 0 or s.generation <= s.flushed_generation or s.kept is not None):
+                self._enqueue(s)
+
+    async def _plan_rename(self, s: Staged, old_key: str | None) -> "_Rename":
+        """What a rename of s to its node's new name needs before it is recorded: done here, except
+        the change of its journal row, which is returned for `renamed_together` to write."""
         self._invalidate_stream(s, "renamed")
         had = s.committed_generation
-        path = s.node.rel_path()
         if (old_key is not None and had >= 0 and s.flushed_generation <= had and s.kept is None
                 and s.writers > 0 and (s.generation > had or s.pt_writers)):
             # Committed, then written again by a writer that still has it open: the object is the
@@ -1860,9 +1911,7 @@ class Committer:
             vol = s.volume
             info = await self.core.store_for(vol).copy(vol.bucket, old_key, s.node.key)
             s.node.etag = info.etag
-            if s.rid is not None:
-                await self.journal.rename(s.rid, path)
-            return
+            return _Rename(renames_row=True)
         s.committed_generation = -1  # whatever was committed went under the old name
         if s.flushed_generation < had:
             # Content in the store that no close recorded (committed by fsync, or an unchanged copy
@@ -1870,21 +1919,11 @@ class Committer:
             # the new one like a closed file - durable and journaled first.
             await run_disk(os.fdatasync, s.fd)
             s.flushed_generation = had
-        if s.flushed_generation >= 0:
-            if s.rid is None:
-                # A close writing the first row names the file anew once it is written (flush):
-                # a second row now would have the file committed twice after a crash.
-                if not s.row_pending:
-                    s.closed_size = s.size
-                    s.rid = await self.journal.add(s.volume.full_name, path, s.path.name, s.size)
-            else:
-                await self.journal.rename(s.rid, path)
-            # Not while a writer still has it open and has written since the content recorded:
-            # that would publish a snapshot of a file half written. Its last close queues it.
-            if s.writers == 0 or s.generation <= s.flushed_generation or s.kept is not None:
-                self._enqueue(s)
-        elif s.rid is not None:
-            await self.journal.rename(s.rid, path)
+        if s.flushed_generation >= 0 and s.rid is None:
+            # A close writing the first row names the file anew once it is written (flush):
+            # a second row now would have the file committed twice after a crash.
+            return _Rename(adds_row=not s.row_pending, size=s.size, queue=True)
+        return _Rename(renames_row=True, queue=s.flushed_generation >= 0)
 
     def _maybe_retire(self, s: Staged) -> None:
         """Remove the staging file once it is committed (or dropped) and no handle has it open.

@@ -1344,16 +1344,40 @@ class Core:
                        and h.version.key in copied}
             for f, old in reading.items():
                 await self._follow_rename(f, new_prefix + old[len(old_prefix):], copied[old])
+            old_parent, old_name, old_path = node.parent, node.name, node.mount_path()
+            self.inodes.move(node, new_parent, new_name)
+            etags = [(s, s.node.etag) for s in staged]
+            for s in staged:
+                s.node.etag = ""
+            try:
+                await self.committer.renamed_together(
+                    [(s, old_prefix + s.node.key[len(new_prefix):]) for s in staged])
+            except OSError as e:
+                # Not recorded (the journal's disk full), for none of the files: the rename fails
+                # and must leave everything as it was. Done half, mv said ENOSPC with the directory
+                # renamed here, its files committed under the new names, and their rows (some of
+                # them) under the old ones for the next mount to publish there.
+                log.warning("rename of %s to %s undone: %s", old_path, node.mount_path(), e)
+                # A replaced directory's marker (new_prefix) stays: it marked that directory before.
+                made = {new_prefix + k[len(old_prefix):] for k in (*copied, *staged_keys)} | {new_prefix}
+                if target is not None:
+                    made.discard(new_prefix)
+                self.inodes.move(node, old_parent, old_name)
+                if target is not None and self.inodes.get(target.ino) is target:
+                    self.inodes.move(target, new_parent, new_name)  # detached by the move
+                for s, etag in etags:
+                    s.node.etag = etag
+                for f, old in reading.items():  # readers back on the old keys
+                    await self._follow_rename(f, old, copied[old])
+                await self._delete_quietly(store, vol, made)
+                raise
+            for s in staged:
+                self.note_changed(s.node)
             if target is not None:
                 # The empty directory replaced: its marker, if any, was new_prefix, which now marks
                 # the moved directory (copied or put above). Nothing of it is left to delete.
                 self.inodes.detach(target)
                 target.deleted = True
-            self.inodes.move(node, new_parent, new_name)
-            for s in staged:
-                s.node.etag = ""
-                self.note_changed(s.node)
-                await self.committer.renamed_locked(s, old_prefix + s.node.key[len(new_prefix):])
 
         async def delete(key: str) -> None:
             async with limiter:
@@ -1369,6 +1393,27 @@ class Core:
         for k in sorted((k for k in keys if k.endswith("/")), key=lambda k: -k.count("/")):
             await store.delete(vol.bucket, k)
         self._invalidate_subtree(node)
+
+    async def _delete_quietly(self, store: AsyncStore, vol: Volume, keys: set[str]) -> None:
+        """Delete what a directory rename that failed had made under the new name (objects, then
+        markers deepest first, as the rename deletes the old ones); what cannot be deleted is
+        logged, and shows under that name until someone removes it."""
+        limiter = trio.CapacityLimiter(32)
+
+        async def delete(key: str) -> None:
+            async with limiter:
+                try:
+                    await store.delete(vol.bucket, key)
+                except errors.StoreError as e:
+                    log.warning("could not delete %r, made by a rename that failed: %s", key, e)
+
+        with trio.CancelScope(shield=True):
+            async with trio.open_nursery() as n:
+                for k in keys:
+                    if not k.endswith("/"):
+                        n.start_soon(delete, k)
+            for k in sorted((k for k in keys if k.endswith("/")), key=lambda k: -k.count("/")):
+                await delete(k)
 
     def _invalidate_subtree(self, node: Inode) -> None:
         """After a directory rename, what we knew about its contents is keyed by old names."""

@@ -296,6 +296,60 @@ def test_an_unlink_or_rename_the_full_journal_cannot_record_changes_nothing(faul
     assert keys(s3, bucket, f"{prefix}/vol/") == []  # and gone for good once removed
 
 
+def test_a_directory_rename_the_full_journal_cannot_record_changes_nothing(fault_proxy, small_disk, mount_factory,
+                                                                          s3, bucket, prefix):
+    """A directory holds files waiting for their commits; the staging disk is full, the journal's
+    own room taken too. Renaming the directory copies what the store holds and then renames the
+    files' journal rows: that fails (ENOSPC). It left the directory renamed inside the daemon while
+    mv said it was not, the files committed under the new name once the store took them again and
+    under the old one after a kill (their rows), and the copy standing under the new name. A
+    failed rename must change nothing, in the store and the journal as in the mount."""
+    m = mount_factory(args=("--cache-dir", str(small_disk / "state"), "--min-free", "8M"),
+                      endpoint=fault_proxy.endpoint)
+    v = m.path()
+    (v / "d").mkdir()
+    (v / "d" / "stored.txt").write_bytes(b"in the store already")
+    sync_dir(v / "d")
+    hold = fault_proxy.fail(503, method="PUT|POST", path=r"/p\d\.bin")  # not the directory's copies
+    files = {f"p{i}.bin": os.urandom(3000 + i) for i in range(3)}
+    for name, data in files.items():
+        (v / "d" / name).write_bytes(data)
+    fill(small_disk / "filler")
+    (small_disk / "state" / "journal.sqlite3.reserve").unlink(missing_ok=True)
+    fill(small_disk / "filler2")
+    for _ in range(2):
+        assert errno_of(lambda: os.rename(v / "d", v / "e")) == errno.ENOSPC
+    assert os.listdir(v) == ["d"]
+    assert sorted(os.listdir(v / "d")) == sorted([*files, "stored.txt"])
+    for name, data in files.items():
+        assert (v / "d" / name).read_bytes() == data
+    assert keys(s3, bucket, f"{prefix}/vol/e") == []  # no copy left under the new name
+    assert "rename of /test/s/vol/d to /test/s/vol/e undone" in m.log_tail(400), m.log_tail()
+    os.unlink(small_disk / "filler")
+    os.unlink(small_disk / "filler2")
+    m.kill()  # what the journal says is what the next mount publishes
+    m.start()
+    hold.disable()
+    sync_dir(v / "d")
+    want = sorted(f"{prefix}/vol/d/{n}" for n in ("", "stored.txt", *files))
+    assert keys(s3, bucket, f"{prefix}/vol/") == want
+    for name, data in files.items():
+        assert obj(s3, bucket, f"{prefix}/vol/d/{name}") == data
+    # Renamed once there is room, the journal says the new names: a kill before the commits
+    # publishes them there, and nothing is left under the old ones.
+    hold.enable()
+    for name, data in files.items():
+        (v / "d" / name).write_bytes(data[::-1])
+    os.rename(v / "d", v / "e")
+    m.kill()
+    hold.disable()
+    m.start()
+    sync_dir(v / "e")
+    assert keys(s3, bucket, f"{prefix}/vol/") == sorted(f"{prefix}/vol/e/{n}" for n in ("", "stored.txt", *files))
+    for name, data in files.items():
+        assert obj(s3, bucket, f"{prefix}/vol/e/{name}") == data[::-1]
+
+
 def test_a_commit_the_full_staging_disk_holds_up_goes_on_once_there_is_room(
         fault_proxy, small_disk, mount_factory, s3, bucket, prefix):
     """A closed file large enough for a multipart upload, whose commit is retried while the staging

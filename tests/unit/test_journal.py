@@ -7,6 +7,7 @@ instead: the staging directory's fsync before the transaction that names its fil
 
 from __future__ import annotations
 
+import errno
 import os
 import sqlite3
 import threading
@@ -391,3 +392,66 @@ def test_replay_reads_the_journal_only_between_its_batches(tmp_path, monkeypatch
     assert store.get("bucket", "pfx/f.bin")[0] == b"closed"
     assert store.list_multipart("bucket", "pfx/") == []  # every upload left was aborted
     assert during_replay == []
+
+
+class _RefusedPutStore(MemoryStore):
+    """PUTs of the files' keys fail as a busy store's would: the files stay staged, their rows kept."""
+
+    def put(self, bucket, key, *args, **kw):
+        if key.rsplit("/", 1)[-1].startswith("p"):
+            from ucfs import errors
+            raise errors.StoreError(errors.EIO, "503 Slow Down", status=503, transient=True, key=key)
+        return super().put(bucket, key, *args, **kw)
+
+
+def test_a_directory_rename_changes_the_rows_of_all_its_files_or_of_none(tmp_path, monkeypatch):
+    """Renaming a directory renames the journal rows of the files beneath that wait for their
+    commits. One row at a time, a journal that filled its disk after the first left that row under
+    the new name and the others under the old one: the next mount split the directory between the
+    two names. The rows change together or not at all, and a failed rename leaves the directory,
+    its rows and the store as they were."""
+    cfg, staging = _state(tmp_path)
+    store = _RefusedPutStore()
+    store.buckets["bucket"] = {}
+    full_after = []  # statements to let through before the disk is full
+
+    async def main():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, cfg)
+            d = (await core.mkdir(vol, "d")).ino
+            for i in range(3):
+                fh, _ = await core.create(d, f"p{i}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                await core.write(fh, 0, b"x" * (10 + i))
+                await core.flush(fh)
+                await core.release(fh)
+            assert sorted(r.path for r in committer.journal.records()) == ["d/p0.bin", "d/p1.bin", "d/p2.bin"]
+            real_write = committer.journal._write_batch
+
+            def write_batch(batch):
+                for sql, *_ in batch:
+                    if sql.startswith("UPDATE pending SET path=") and not full_after.pop(0):
+                        e = sqlite3.OperationalError("database or disk is full")
+                        e.sqlite_errorcode = sqlite3.SQLITE_FULL
+                        raise e
+                return real_write(batch)
+
+            monkeypatch.setattr(committer.journal, "_write_batch", write_batch)
+            committer.journal._reserve.unlink()  # its room taken too
+            full_after[:] = [True, False, False]  # the first row's change fits, the second's not
+            try:
+                await core.rename(vol, "d", vol, "e")
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+            else:
+                raise AssertionError("the rename was recorded on a full disk")
+            monkeypatch.undo()
+            assert sorted(r.path for r in committer.journal.records()) == ["d/p0.bin", "d/p1.bin", "d/p2.bin"]
+            assert (await core.lookup(vol, "e")) is None
+            d_again = await core.lookup(vol, "d")
+            assert d_again is not None and d_again.ino == d
+            assert {name for name in core.node(d).children_by_name} == {"p0.bin", "p1.bin", "p2.bin"}
+            assert sorted(store.buckets["bucket"]) == ["pfx/d/"]  # nothing made under the new name
+            await committer.shutdown(drain=False)
+            n.cancel_scope.cancel()
+
+    trio.run(main)
