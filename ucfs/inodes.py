@@ -13,12 +13,17 @@ from __future__ import annotations
 
 import enum
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 from .catalog import Volume
 
 ROOT_INO = 1
+# Local mtimes of versions committed here, kept for files whose inodes the kernel forgot (see
+# InodeTable.kept_mtimes). About 300 bytes each: at most ~30 MB for the last 100,000 such files;
+# an older one shows its Last-Modified again when it is looked up.
+KEPT_MTIMES_MAX = 100_000
 
 
 class Kind(enum.IntEnum):
@@ -140,6 +145,12 @@ class InodeTable:
         self.root.lookups = 1  # the kernel never forgets the root
         self._by_ino: dict[int, Inode] = {ROOT_INO: self.root}
         self._next = ROOT_INO + 1
+        # (volume, key) -> (ETag, mtime) of a file whose inode was dropped while it showed the
+        # version this mount committed, with the mtime it had here (core.Core._describe). The next
+        # inode of that name takes them back, so that a kernel's forget (memory pressure, a large
+        # tree) does not turn the file's mtime into the store's Last-Modified: rsync -a would send
+        # it again, and find -newer take it for changed.
+        self.kept_mtimes: OrderedDict[tuple[str, str], tuple[str, int]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._by_ino)
@@ -162,6 +173,11 @@ class InodeTable:
         self._by_ino[node.ino] = node
         parent.children_by_name[name] = node
         parent.children += 1
+        if kind is Kind.FILE and volume is not None and self.kept_mtimes:
+            kept = self.kept_mtimes.pop((volume.full_name, node.key), None)
+            if kept is not None:
+                # Whoever describes the node next keeps this mtime only for that same version.
+                node.local_mtime_etag, node.mtime_ns = kept
         return node
 
     def detach(self, node: Inode) -> None:
@@ -203,9 +219,17 @@ class InodeTable:
             if parent is None:
                 return
             if parent.children_by_name.get(node.name) is node:
+                if node.local_mtime_etag and node.local_mtime_etag == node.etag and node.volume is not None:
+                    self._keep_mtime((node.volume.full_name, node.key), (node.etag, node.mtime_ns))
                 del parent.children_by_name[node.name]
             parent.children -= 1
             node = parent
+
+    def _keep_mtime(self, ident: tuple[str, str], kept: tuple[str, int]) -> None:
+        self.kept_mtimes[ident] = kept
+        self.kept_mtimes.move_to_end(ident)
+        if len(self.kept_mtimes) > KEPT_MTIMES_MAX:
+            self.kept_mtimes.popitem(last=False)
 
     def release(self, node: Inode) -> None:
         """A handle on node was closed."""

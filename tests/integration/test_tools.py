@@ -11,7 +11,9 @@ import os
 import subprocess
 import time
 
-from tests.support import fsync_path
+import pytest
+
+from tests.support import fsync_path, wait_until
 
 MiB = 1 << 20
 
@@ -101,3 +103,38 @@ def test_times_set_on_a_file_still_open_for_writing_are_kept(mount, tmp_path):
     time.sleep(1.5)  # committed, and described by the store since: still the times set here
     for rel, t in want.items():
         assert os.stat(out / rel).st_mtime_ns == t * 10**9, rel
+
+
+def _forget_inodes() -> None:
+    """Make the kernel forget every inode nobody holds (it sends FUSE FORGET), as memory pressure
+    does on a busy host: dentries and inodes only, no page cache."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("2")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping the kernel's inodes needs root")
+def test_a_file_written_here_keeps_its_times_after_the_kernel_forgets_it(mount):
+    """The local mtime of a version committed here (what cp -p, rsync -a or tar x set) lived only on
+    its inode: once the kernel forgot that inode (memory pressure, a large tree), the next lookup
+    made a new one from the listing, with the store's Last-Modified. rsync -a then sent every such
+    file again, and find -newer took them for changed."""
+    d = mount.path() / "tree" / "sub"
+    d.mkdir(parents=True)
+    want = {"old.bin": 1_577_934_245, "older.txt": 1_000_000_000}
+    for name, t in want.items():
+        (d / name).write_bytes(os.urandom(50_000))
+        os.utime(d / name, (t, t))
+    (d / "now.txt").write_text("written now")
+    now_mtime = os.stat(d / "now.txt").st_mtime_ns
+    for name in (*want, "now.txt"):
+        fsync_path(d / name)
+    inos = {name: os.stat(d / name).st_ino for name in (*want, "now.txt")}
+    time.sleep(1.5)  # the listing that describes them is the store's now
+    _forget_inodes()
+    # A new inode number says the daemon made the inode anew: the old one was forgotten.
+    assert wait_until(lambda: all(os.stat(d / n).st_ino != i for n, i in inos.items()), 10), \
+        "the kernel did not forget the inodes"
+    for name, t in want.items():
+        assert os.stat(d / name).st_mtime_ns == t * 10**9, name
+    assert os.stat(d / "now.txt").st_mtime_ns == now_mtime
