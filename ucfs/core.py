@@ -963,7 +963,7 @@ class Core:
 
     async def setattr(self, ino: int, *, size: int | None = None, mtime_ns: int | None = None,
                       fh: int | None = None, caller: Caller | None = None, changes: bool = False) -> Attributes:
-        """truncate, utimens, chmod, chown. Only the size and a staged file's mtime are kept, but
+        """truncate, utimens, chmod, chown. Only the size and a file's mtime are kept, but
         each is a change: EROFS on a read-only volume or a synthetic level, EACCES without a write
         grant, as for any write."""
         node = self.node(ino)
@@ -996,6 +996,14 @@ class Core:
                 # mtime of those writes back over the one set here.
                 self.committer.observe(node.staged)
             node.staged.mtime_ns = mtime_ns
+        if mtime_ns is not None and node.kind is Kind.FILE and node.etag:
+            # The version in the store: it keeps no mtime of ours, so this host keeps this one for
+            # it, as for a version committed here (_describe). Also when staged: touch opens the
+            # file for writing first, and a staged copy closed unchanged is dropped, not committed.
+            # Left to the store, the old time came back at the end of the TTL: a stamp file
+            # touched again went back in time by itself.
+            node.mtime_ns = mtime_ns
+            node.local_mtime_etag = node.etag
         # Modes and owners are not kept by an object store; accepting them lets cp -a, rsync and tar work.
         return self.attributes(node)
 

@@ -105,6 +105,40 @@ def test_times_set_on_a_file_still_open_for_writing_are_kept(mount, tmp_path):
         assert os.stat(out / rel).st_mtime_ns == t * 10**9, rel
 
 
+def test_touch_of_a_committed_file_keeps_the_time_it_set(mount, s3, bucket, prefix):
+    """touch, os.utime and touch -r on a file whose version is in the store (committed here, or
+    written elsewhere) showed the new mtime until the metadata TTL ran out, then the old one again:
+    only a staged file's mtime was kept. A stamp file touched again (make, a job's done-marker,
+    find -newer) went back in time by itself. What was set is kept on this host for that version;
+    a newer version written elsewhere shows its Last-Modified."""
+    v = mount.path()
+    (v / "mine.txt").write_text("written here")
+    fsync_path(v / "mine.txt")
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/theirs.txt", Body=b"written elsewhere")
+    os.utime(v / "mine.txt", (1_500_000_000, 1_500_000_000))
+    subprocess.run(["touch", "-m", "-d", "@1400000000", str(v / "theirs.txt")], check=True)
+    want = {"mine.txt": 1_500_000_000 * 10**9, "theirs.txt": 1_400_000_000 * 10**9}
+    for name, t in want.items():
+        assert os.stat(v / name).st_mtime_ns == t, name
+    time.sleep(1.5)  # past the metadata TTL: the next stat asks the store
+    for name, t in want.items():
+        assert os.stat(v / name).st_mtime_ns == t, name
+    time.sleep(1.5)
+    assert sorted(os.listdir(v)) == sorted(want)  # a fresh listing describes them too
+    for name, t in want.items():
+        assert os.stat(v / name).st_mtime_ns == t, name
+    before = time.time_ns()
+    subprocess.run(["touch", str(v / "mine.txt")], check=True)  # to now, as a stamp file is
+    time.sleep(1.5)
+    assert os.stat(v / "mine.txt").st_mtime_ns >= before
+
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/theirs.txt", Body=b"a newer version")
+    last_modified = s3.head_object(Bucket=bucket, Key=f"{prefix}/vol/theirs.txt")["LastModified"]
+    time.sleep(1.5)
+    assert (v / "theirs.txt").read_bytes() == b"a newer version"
+    assert os.stat(v / "theirs.txt").st_mtime_ns == int(last_modified.timestamp()) * 10**9
+
+
 def _forget_inodes() -> None:
     """Make the kernel forget every inode nobody holds (it sends FUSE FORGET), as memory pressure
     does on a busy host: dentries and inodes only, no page cache."""
