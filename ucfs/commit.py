@@ -130,6 +130,11 @@ CACHE_AFTER_COMMIT_MAX_BYTES = 64 * MiB
 # one back right away costs nothing either way (the kernel keeps its pages, see Inode.page_cache_etag);
 # only a re-read after those pages are gone pays one GET, and caches the file then.
 CACHE_AFTER_COMMIT_MIN_BYTES = 1 * MiB
+# A renamed file whose object under the old name already holds its content (its commit was done, or
+# finishing a stream, when the rename came) is copied to the new name on the server from this size
+# up, rather than uploaded again: a copy sends no bytes, while the rename waits for it. Smaller files
+# are uploaded again in the background, which keeps a rename of one at a single request (the delete).
+RENAME_COPY_MIN_BYTES = SINGLE_PUT_MAX_BYTES
 
 
 def _digest(data) -> bytes:
@@ -249,6 +254,8 @@ class _Rename:
     adds_row: bool = False
     size: int = 0
     queue: bool = False
+    # The old key holds an object of this file that the rename leaves behind: the caller deletes it.
+    old_object: bool = False
 
 
 @dataclass(eq=False)
@@ -285,6 +292,11 @@ class Staged:
     # A rename or unlink waits for the commit lock: the commit holding it gives up at its next part
     # (and is queued again) rather than finish an upload under a name that is going away.
     abandon: bool = False
+    # ... except the rename of a file (`renamed`) that waits while the commit finishes a stream under
+    # this key, the file's name until then: all of its parts are on their way, so that commit
+    # completes the upload and leaves the object (`published`) for the rename to copy.
+    moving_from: str | None = None
+    published: tuple[str, int] | None = None  # (key, generation) completed for a waiting rename
     # A stand-in committing this file's kept version (`Committer._commit_kept`) gives up when the
     # file itself is asked to (`giving_up`).
     kept_of: "Staged | None" = None
@@ -1319,10 +1331,11 @@ class Committer:
         gen = s.generation
         t0 = time.monotonic()
         st = s.stream
+        s.published = None  # what this commit makes replaces it
         if st is not None and st.valid and st.key == key:
             if s.writers > 0 and not s.fsync_waiters and not in_place:
                 return  # still being written: its last close queues it again
-            info, gen = await self._finish_stream(s, store)
+            info, gen = await self._finish_stream(s, store, for_rename=not in_place)
         else:
             self._invalidate_stream(s, "committing whole")
             if s.size <= SINGLE_PUT_MAX_BYTES:
@@ -1349,6 +1362,15 @@ class Committer:
                 info = await self._multipart(s, store, key)
         # Published. Record it before anything else can look.
         node = s.node
+        if node.key != key and not in_place and gen == s.generation and self._finishes_for_rename(s, key):
+            # Renamed meanwhile, and the rename waits for this lock: it copies the object to the
+            # new name (`_plan_rename`) and deletes this one, rather than have it sent again.
+            # Queued too: should the rename not copy it after all (it fails, or the file changed
+            # meanwhile), the file is committed again; if it does, the worker finds nothing to do.
+            s.published = (key, gen)
+            self.stats["published_for_rename"] += 1
+            self._enqueue(s)
+            return
         if node.key != key or s.dropped:
             # A parent directory was renamed (or the file unlinked) while we uploaded: the object we
             # just made sits under the old name. Take it away again; the file commits anew if live.
@@ -1754,11 +1776,13 @@ class Committer:
         if st.upload_id:
             await self._abort_quietly(vol, st.key, st.upload_id)
 
-    async def _finish_stream(self, s: Staged, store: AsyncStore) -> tuple[object, int]:
+    async def _finish_stream(self, s: Staged, store: AsyncStore, *, for_rename: bool = False) -> tuple[object, int]:
         """Complete a stream: upload what follows its last full part, then complete the upload.
 
         Returns the object's info and the generation it holds. Appends that arrive meanwhile belong
-        to a later generation (and a later commit); they do not disturb this one.
+        to a later generation (and a later commit); they do not disturb this one. `for_rename`: a
+        rename of the file away from the stream's key that waits meanwhile does not stop it
+        (`namespace_lock`).
         """
         st = s.stream
         await st.created.wait()
@@ -1786,7 +1810,7 @@ class Committer:
                                else "its stream was abandoned")
             if st.verify:
                 await self._verify_stream(s, st, store)
-            if s.giving_up:
+            if s.giving_up and not (for_rename and self._finishes_for_rename(s, st.key)):
                 raise _Changed("renamed or unlinked while its stream was finished")
             if tail > 0:
                 st.parts[st.next_part] = await store.upload_part(vol.bucket, st.key, st.upload_id,
@@ -1801,20 +1825,37 @@ class Committer:
         self.stats["streamed"] += 1
         return info, gen
 
+    @staticmethod
+    def _finishes_for_rename(s: Staged, key: str) -> bool:
+        """Whether a commit that made (or is making) s's object under `key` leaves it there for the
+        rename that waits for it to copy (`namespace_lock`)."""
+        return (s.moving_from == key and not s.dropped and s.kept_of is None and s.kept is None
+                and s.size >= RENAME_COPY_MIN_BYTES)
+
     # -- namespace changes of staged files --------------------------------------------------------
     @contextlib.asynccontextmanager
-    async def namespace_lock(self, s: Staged):
+    async def namespace_lock(self, s: Staged, *, moving_from: str | None = None):
         """s's commit lock, for a rename or an unlink of the file (or of a directory above it).
 
         A commit that holds the lock now is asked to give up at its next part: its upload goes to
         a name that is about to change or vanish, and finishing it first would keep `mv` or `rm`
         (and the directory, which the kernel locks meanwhile) waiting for the whole upload - and
-        the file would then be uploaded again under its new name anyway."""
+        the file would then be uploaded again under its new name anyway.
+
+        `moving_from`: the file is renamed away from this key. A commit finishing the file's
+        stream there goes on (`_finish_stream`): the rename waits for the parts in flight either
+        way, and after them only the last part and the completion are left, where giving up would
+        send every byte again. The rename then copies the object on the server."""
         if s.commit_lock.locked():
             s.abandon = True
-        async with s.commit_lock:
-            s.abandon = False
-            yield
+            s.moving_from = moving_from
+        try:
+            async with s.commit_lock:
+                s.abandon = False
+                s.moving_from = None
+                yield
+        finally:
+            s.moving_from = None
 
     async def settle_journal(self) -> None:
         """Before an object is deleted or renamed away in the store: no journal row of what this
@@ -1847,30 +1888,36 @@ class Committer:
             s.notify()
         self._maybe_retire(s)
 
-    async def renamed(self, s: Staged, old_key: str | None = None) -> None:
-        """The file now has another key: its content must be committed there."""
-        async with self.namespace_lock(s):
+    async def renamed(self, s: Staged, old_key: str | None = None) -> bool:
+        """The file now has another key: its content must be committed there. True if `old_key`
+        now holds an object of the file that the caller must delete (a commit finished there
+        while the rename waited)."""
+        async with self.namespace_lock(s, moving_from=old_key):
             had = s.committed_generation
             try:
-                await self.renamed_locked(s, old_key)
+                left = await self.renamed_locked(s, old_key)
             except BaseException:
                 s.committed_generation = had  # not renamed after all: the caller puts the name back
                 raise
+        self._maybe_retire(s)  # copied on the server, it may have nothing left to commit
+        return left
 
-    async def renamed_locked(self, s: Staged, old_key: str | None = None) -> None:
+    async def renamed_locked(self, s: Staged, old_key: str | None = None) -> bool:
         """`renamed`, for a caller that already holds the file's commit lock (`namespace_lock`).
         `old_key`: where the file's object is until the caller deletes it."""
-        await self.renamed_together([(s, old_key)])
+        return (await self.renamed_together([(s, old_key)], alone=True))[0]
 
-    async def renamed_together(self, files: list[tuple[Staged, str | None]]) -> None:
+    async def renamed_together(self, files: list[tuple[Staged, str | None]], *, alone: bool = False) -> list[bool]:
         """`renamed_locked` for several files (those beneath a renamed directory), their journal
         rows changed in one transaction. The rows change all or none: a failure (the journal's disk
         full) raises with every file's commit state as it was, for the caller to put the names back.
         One at a time, a failure half way left the rows of some files under the new names and of
-        the others under the old ones, for the next mount to publish there."""
+        the others under the old ones, for the next mount to publish there. `alone`: a rename of
+        one file (`renamed_locked`), which may copy its object on the server (`_plan_rename`).
+        Returns, per file, whether its old key holds an object the caller must delete."""
         had = [(s, s.committed_generation) for s, _ in files]
         try:
-            plans = [await self._plan_rename(s, old_key) for s, old_key in files]
+            plans = [await self._plan_rename(s, old_key, may_copy=alone) for s, old_key in files]
             # Made at once, with no await between: the rows' change counter (seq) and the names
             # are those of now, as queued.
             statements, adds = [], []  # adds: per statement, (file, size) for a first row, else None
@@ -1896,12 +1943,39 @@ class Committer:
             # that would publish a snapshot of a file half written. Its last close queues it.
             if plan.queue and (s.writers == 0 or s.generation <= s.flushed_generation or s.kept is not None):
                 self._enqueue(s)
+        return [plan.old_object for plan in plans]
 
-    async def _plan_rename(self, s: Staged, old_key: str | None) -> "_Rename":
+    async def _plan_rename(self, s: Staged, old_key: str | None, *, may_copy: bool = False) -> "_Rename":
         """What a rename of s to its node's new name needs before it is recorded: done here, except
-        the change of its journal row, which is returned for `renamed_together` to write."""
+        the change of its journal row, which is returned for `renamed_together` to write.
+        `may_copy`: a large file whose object under the old key holds what the file holds now (its
+        commit was done, or finished while the rename waited: `namespace_lock`) is copied to the
+        new key on the server rather than uploaded again."""
+        published, s.published = s.published, None
+        plan = await self._plan_move(s, old_key, may_copy, published)
+        if published is not None and published[0] == old_key:
+            # Completed under the old key while the rename waited: copied, or (changed since, or
+            # in a directory's rename) uploaded again under the new key. The old key's must go.
+            plan.old_object = True
+        return plan
+
+    async def _plan_move(self, s: Staged, old_key: str | None, may_copy: bool,
+                         published: tuple[str, int] | None) -> "_Rename":
         self._invalidate_stream(s, "renamed")
         had = s.committed_generation
+        if (may_copy and old_key is not None and s.kept is None and s.size >= RENAME_COPY_MIN_BYTES
+                and not s.pt_writers
+                and (published == (old_key, s.generation) or (had >= s.generation and s.flushed_generation <= had))):
+            vol = s.volume
+            try:
+                info = await self.core.store_for(vol).copy(vol.bucket, old_key, s.node.key)
+            except errors.StoreError as e:
+                # The copy only saves sending the bytes again: the rename does not fail for it.
+                log.info("could not copy %s from %r on the server (%s); it is uploaded again", s.node.mount_path(),
+                         old_key, e)
+            else:
+                self._copied(s, info, s.generation)
+                return _Rename(old_object=True)
         if (old_key is not None and had >= 0 and s.flushed_generation <= had and s.kept is None
                 and s.writers > 0 and (s.generation > had or s.pt_writers)):
             # Committed, then written again by a writer that still has it open: the object is the
@@ -1924,6 +1998,28 @@ class Committer:
             # a second row now would have the file committed twice after a crash.
             return _Rename(adds_row=not s.row_pending, size=s.size, queue=True)
         return _Rename(renames_row=True, queue=s.flushed_generation >= 0)
+
+    def _copied(self, s: Staged, info, gen: int) -> None:
+        """s's content of generation `gen` was copied to its key on the server (a rename): what a
+        commit records (`_commit`), for the node, the file and its journal row."""
+        node = s.node
+        node.etag = info.etag
+        node.size = s.size
+        node.mtime_ns = s.mtime_ns  # renamed, not changed: its mtime stays
+        node.local_mtime_etag = info.etag
+        node.attr_expires = time.monotonic() + self.cfg.metadata_ttl_s
+        node.page_cache_etag = None if s.pt_written else info.etag
+        s.committed_generation = max(s.committed_generation, gen)
+        s.attempts = 0
+        s.retry_reason = ""
+        s.error = None
+        if s.rid is not None and s.committed_generation >= s.flushed_generation:
+            # Lazily: the caller settles the journal before it deletes the old key (a row back
+            # after a power loss would publish the file under the old name again).
+            self.journal.remove_nowait(s.rid)
+            s.rid = None
+        self.stats["copied_for_rename"] += 1
+        s.notify()
 
     def _maybe_retire(self, s: Staged) -> None:
         """Remove the staging file once it is committed (or dropped) and no handle has it open.

@@ -10,7 +10,9 @@ stays deleted, across a SIGKILL too.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import threading
 import time
 
 from tests.support import fsync_path, keys, obj, sync_dir, wait_until
@@ -173,3 +175,64 @@ def test_a_file_unlinked_just_before_a_kill_stays_deleted(mount_factory):
         if (m.path() / f"gone{i}").exists():
             back.append(i)
     assert not back, f"deleted files back after a restart: {back}"
+
+
+def _save_atomically(path, data: bytes) -> None:
+    """What torch.save-then-replace and many libraries do: write a temp file, close it, os.replace
+    it onto the final name."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        for i in range(0, len(data), MiB):
+            f.write(data[i:i + MiB])
+    os.replace(tmp, path)
+
+
+def test_atomic_save_of_a_large_file_sends_its_bytes_once(mount_factory, s3, bucket, prefix):
+    """A large file streams its parts under the temp name while it is written; the rename comes while
+    its upload is finished (or just after). It used to give that upload up and send the whole file
+    again under the new name (2x the bytes); the object is now copied on the server. A reader elsewhere
+    sees nothing or the whole file under the final name, never a part, and the temp name goes.
+    (--no-passthrough: the daemon sees the writes, so its stream keeps up with them.)"""
+    m = mount_factory(args=("--no-passthrough",))
+    data = os.urandom(80 * MiB + 7)
+    key = f"{prefix}/vol/ckpt.pt"
+    seen, stop = set(), threading.Event()
+
+    def observe():
+        while not stop.is_set():
+            try:
+                seen.add(s3.head_object(Bucket=bucket, Key=key)["ContentLength"])
+            except s3.exceptions.ClientError:
+                seen.add(None)
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=observe)
+    watcher.start()
+    try:
+        before = m.store_stats().get("put_bytes", 0)
+        _save_atomically(m.path() / "ckpt.pt", data)
+        fsync_path(m.path() / "ckpt.pt")
+        sent = m.store_stats().get("put_bytes", 0) - before
+    finally:
+        stop.set()
+        watcher.join()
+    assert hashlib.sha256(obj(s3, bucket, key)).digest() == hashlib.sha256(data).digest()
+    assert wait_until(lambda: keys(s3, bucket, f"{prefix}/vol/") == [key], 10), keys(s3, bucket, f"{prefix}/vol/")
+    assert sent < 1.2 * len(data), (sent / MiB, m.status()["commits"])
+    assert seen <= {None, len(data)}, seen
+    assert not s3.list_multipart_uploads(Bucket=bucket, Prefix=f"{prefix}/").get("Uploads")
+
+
+def test_atomic_save_of_a_large_file_survives_a_kill_after_the_rename(mount_factory, s3, bucket, prefix):
+    """Killed right after os.replace returned: the next mount has the file under its final name, in
+    the store too, and nothing is left under the temp name (no object, no upload)."""
+    m = mount_factory()
+    data = os.urandom(64 * MiB + 3)
+    _save_atomically(m.path() / "ckpt.pt", data)
+    m.kill()
+    m.start()
+    assert (m.path() / "ckpt.pt").read_bytes() == data
+    sync_dir(m.path())
+    assert obj(s3, bucket, f"{prefix}/vol/ckpt.pt") == data
+    assert keys(s3, bucket, f"{prefix}/vol/") == [f"{prefix}/vol/ckpt.pt"]
+    assert not s3.list_multipart_uploads(Bucket=bucket, Prefix=f"{prefix}/").get("Uploads")

@@ -874,3 +874,123 @@ def test_a_stream_part_the_staging_file_cannot_give_abandons_the_stream_not_the_
     assert failed
     assert any(r.levelname == "WARNING" and "of /a/b/c/s.bin failed here" in r.getMessage()
                and "Input/output error" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def _counting_puts(store: GatedStore) -> dict[str, int]:
+    """Bytes the store was sent (parts and single PUTs) by key, counted as they arrive."""
+    sent: dict[str, int] = {}
+    upload_part, put = store.upload_part, store.inner.put
+
+    def counting_upload_part(bucket, key, upload_id, n, data, length, *args, **kw):
+        sent[key] = sent.get(key, 0) + length
+        return upload_part(bucket, key, upload_id, n, data, length, *args, **kw)
+
+    def counting_put(bucket, key, data, size, *args, **kw):
+        sent[key] = sent.get(key, 0) + size
+        return put(bucket, key, data, size, *args, **kw)
+
+    store.upload_part = counting_upload_part
+    store.put = counting_put
+    return sent
+
+
+def test_a_rename_while_a_closed_stream_is_finished_sends_its_bytes_once(tmp_path, monkeypatch):
+    """The atomic-save idiom (write tmp, close, os.replace onto the final name) on a file that
+    streamed: the rename came while a worker finished the stream under the temp name. It used to
+    abort the upload and send the whole file again under the new name; the parts already sent are
+    kept: the upload is completed under the temp name and copied to the new one on the server."""
+    monkeypatch.setattr(commit_mod, "STREAM_START_BYTES", 2 * MiB)
+    monkeypatch.setattr(commit_mod, "BACKGROUND_SYNC_BYTES", 4 * MiB)
+    store = GatedStore()
+    store.gate.clear()  # the stream lags: close() syncs and journals, a worker finishes the stream
+    sent = _counting_puts(store)
+    data = os.urandom(16 * MiB + 5)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, _cfg(tmp_path))
+            fh = await _write(core, vol, "old.bin", data)
+            s = core.file_handle(fh).staged
+            await core.flush(fh)
+            assert committer.statistics().get("committed_at_close", 0) == 0
+            await core.release(fh)
+            with trio.fail_after(10):
+                while not s.commit_lock.locked():  # a worker is finishing the stream
+                    await trio.sleep(0.01)
+            await _rename_or_unlink_once_parts_wait(core, vol, store, "rename")
+            await committer.shutdown(drain=True)
+            assert _stored(store, "new.bin") == data
+            assert _stored(store, "old.bin") is None
+            assert store.inner.list_multipart("bucket", "pfx/") == []
+            assert sent == {"pfx/old.bin": len(data)}, sent  # every byte once, none under new.bin
+            assert committer.journal.records() == []
+            st = committer.statistics()
+            assert st["published_for_rename"] == 1 and st["copied_for_rename"] == 1
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_rename_of_a_large_file_committed_at_close_copies_it_on_the_server(tmp_path, monkeypatch):
+    """close() finished the stream itself (the upload kept up), and the rename came before the
+    kernel's release: the staged file is clean, its object under the old name. It was uploaded
+    again whole under the new name; it is copied on the server instead."""
+    monkeypatch.setattr(commit_mod, "STREAM_START_BYTES", 4 * MiB)
+    store = GatedStore()
+    sent = _counting_puts(store)
+    data = os.urandom(24 * MiB + 123)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, _cfg(tmp_path))
+            fh = await _write(core, vol, "old.bin", data)
+            while committer.statistics().get("stream_parts", 0) < 18:  # the upload keeps up
+                await trio.sleep(0.01)
+            await core.flush(fh)
+            assert committer.statistics()["committed_at_close"] == 1
+            await core.rename(vol, "old.bin", vol, "new.bin")
+            await core.release(fh)
+            await committer.shutdown(drain=True)
+            assert _stored(store, "new.bin") == data
+            assert _stored(store, "old.bin") is None
+            assert sent == {"pfx/old.bin": len(data)}, sent
+            assert committer.journal.records() == []
+            assert committer.statistics()["copied_for_rename"] == 1
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_rename_whose_server_side_copy_fails_uploads_the_file_again(tmp_path, monkeypatch):
+    """The copy only saves sending the bytes again: when the store refuses it, the rename still
+    succeeds and the file is uploaded under its new name, as before."""
+    from ucfs import errors
+
+    monkeypatch.setattr(commit_mod, "STREAM_START_BYTES", 4 * MiB)
+    store = GatedStore()
+    sent = _counting_puts(store)
+
+    def refused_copy(*args, **kw):
+        raise errors.StoreError(errors.EIO, "copy refused", status=500, transient=False)
+
+    store.copy = refused_copy
+    data = os.urandom(24 * MiB + 123)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, _cfg(tmp_path))
+            fh = await _write(core, vol, "old.bin", data)
+            while committer.statistics().get("stream_parts", 0) < 18:
+                await trio.sleep(0.01)
+            await core.flush(fh)
+            assert committer.statistics()["committed_at_close"] == 1
+            await core.rename(vol, "old.bin", vol, "new.bin")
+            await core.release(fh)
+            await committer.shutdown(drain=True)
+            assert _stored(store, "new.bin") == data
+            assert _stored(store, "old.bin") is None
+            assert sent == {"pfx/old.bin": len(data), "pfx/new.bin": len(data)}, sent
+            assert committer.journal.records() == []
+            n.cancel_scope.cancel()
+
+    trio.run(main)
