@@ -52,7 +52,7 @@ from .cache import ObjectVersion, ensure_private_dir
 from .catalog import Volume
 from .config import MiB, MountConfig
 from .inodes import Inode
-from .journal import INTENT, Journal, Record
+from .journal import DELETE, INTENT, Journal, Record
 from .s3http import FileBody
 from .store import MAX_OBJECT_BYTES, MAX_PARTS
 
@@ -254,8 +254,10 @@ class _Rename:
     adds_row: bool = False
     size: int = 0
     queue: bool = False
-    # The old key holds an object of this file that the rename leaves behind: the caller deletes it.
+    # The old key holds an object of this file that the rename leaves behind: the caller deletes it,
+    # unless it was copied to the new key on the server (then `Committer.renamed` does).
     old_object: bool = False
+    copied: bool = False
 
 
 @dataclass(eq=False)
@@ -415,6 +417,8 @@ class Committer:
             vol = self._volume(vname)
             if vol is None:
                 self.journal.remove_upload_nowait(upload_id)
+            elif upload_id.startswith(DELETE):
+                await self._delete_left_behind(vol, key, upload_id)
             elif upload_id.startswith(INTENT):
                 intended.setdefault((vname, key), []).append((upload_id, created))
             else:
@@ -462,6 +466,19 @@ class Committer:
             self.stats["replayed"] += 1
         if records:
             log.info("replaying %d pending commit(s) from the journal", len(records))
+
+    async def _delete_left_behind(self, vol: Volume, key: str, marker: str) -> None:
+        """A renamed file's object under its old key, which a killed daemon had copied to the new
+        key and not yet deleted (`_delete_moved`); before any row is replayed, so that a file the
+        journal has for that old name is published after this."""
+        try:
+            await self.core.store_for(vol).delete(vol.bucket, key)
+        except errors.StoreError as e:
+            log.warning("could not delete %r, left behind by a rename before the daemon stopped: %s; the next "
+                        "mount tries again", key, e)
+            return
+        log.info("deleted %r, left behind by a rename before the daemon stopped", key)
+        self.journal.remove_upload_nowait(marker)
 
     def _cut_unclosed(self, staging: Path, fd: int, size: int) -> None:
         """A journaled staging file longer than its row says: a writer that had it open when the
@@ -1888,33 +1905,56 @@ class Committer:
             s.notify()
         self._maybe_retire(s)
 
-    async def renamed(self, s: Staged, old_key: str | None = None) -> bool:
-        """The file now has another key: its content must be committed there. True if `old_key`
-        now holds an object of the file that the caller must delete (a commit finished there
-        while the rename waited)."""
+    async def renamed(self, s: Staged, old_key: str | None = None) -> "_Rename":
+        """The file now has another key: its content must be committed there. Says whether
+        `old_key` holds an object of the file that the caller must delete (`_Rename.old_object`: a
+        commit finished there while the rename waited) or had it copied and deleted (`copied`)."""
         async with self.namespace_lock(s, moving_from=old_key):
             had = s.committed_generation
             try:
-                left = await self.renamed_locked(s, old_key)
+                plan = await self.renamed_locked(s, old_key)
             except BaseException:
                 s.committed_generation = had  # not renamed after all: the caller puts the name back
                 raise
+            if plan.copied:
+                await self._delete_moved(s.volume, old_key)
         self._maybe_retire(s)  # copied on the server, it may have nothing left to commit
-        return left
+        return plan
 
-    async def renamed_locked(self, s: Staged, old_key: str | None = None) -> bool:
+    async def renamed_locked(self, s: Staged, old_key: str | None = None) -> "_Rename":
         """`renamed`, for a caller that already holds the file's commit lock (`namespace_lock`).
-        `old_key`: where the file's object is until the caller deletes it."""
+        `old_key`: where the file's object is until the caller deletes it (see `_Rename`)."""
         return (await self.renamed_together([(s, old_key)], alone=True))[0]
 
-    async def renamed_together(self, files: list[tuple[Staged, str | None]], *, alone: bool = False) -> list[bool]:
+    async def _delete_moved(self, vol: Volume, old_key: str) -> None:
+        """Delete a renamed file's object under its old key, now that it is copied to the new one.
+        Recorded in the journal first, so that a daemon killed before the delete has it done at the
+        next mount (`_delete_left_behind`): otherwise the old name would be back for good. (Not
+        before the copy: the object under the old key is then the file's only committed copy.) The
+        record also makes durable the removal of the file's row, queued before it (`_copied`)."""
+        try:
+            marker = await self.journal.add_delete(vol.full_name, old_key)
+        except OSError as e:
+            log.warning("could not record the deletion of %r in the journal (%s); deleting it unrecorded", old_key, e)
+            marker = None
+        try:
+            await self.core.store_for(vol).delete(vol.bucket, old_key)
+        except errors.StoreError as e:
+            log.warning("could not delete %r after its file was renamed and copied: %s%s", old_key, e,
+                        "; the next mount deletes it" if marker else "")
+            return
+        if marker is not None:
+            await self.journal.remove_delete(marker)
+
+    async def renamed_together(self, files: list[tuple[Staged, str | None]], *,
+                               alone: bool = False) -> list["_Rename"]:
         """`renamed_locked` for several files (those beneath a renamed directory), their journal
         rows changed in one transaction. The rows change all or none: a failure (the journal's disk
         full) raises with every file's commit state as it was, for the caller to put the names back.
         One at a time, a failure half way left the rows of some files under the new names and of
         the others under the old ones, for the next mount to publish there. `alone`: a rename of
         one file (`renamed_locked`), which may copy its object on the server (`_plan_rename`).
-        Returns, per file, whether its old key holds an object the caller must delete."""
+        Returns, per file, what was done (`_Rename`: whether its old key holds an object to delete)."""
         had = [(s, s.committed_generation) for s, _ in files]
         try:
             plans = [await self._plan_rename(s, old_key, may_copy=alone) for s, old_key in files]
@@ -1943,7 +1983,7 @@ class Committer:
             # that would publish a snapshot of a file half written. Its last close queues it.
             if plan.queue and (s.writers == 0 or s.generation <= s.flushed_generation or s.kept is not None):
                 self._enqueue(s)
-        return [plan.old_object for plan in plans]
+        return plans
 
     async def _plan_rename(self, s: Staged, old_key: str | None, *, may_copy: bool = False) -> "_Rename":
         """What a rename of s to its node's new name needs before it is recorded: done here, except
@@ -1975,7 +2015,7 @@ class Committer:
                          old_key, e)
             else:
                 self._copied(s, info, s.generation)
-                return _Rename(old_object=True)
+                return _Rename(old_object=True, copied=True)
         if (old_key is not None and had >= 0 and s.flushed_generation <= had and s.kept is None
                 and s.writers > 0 and (s.generation > had or s.pt_writers)):
             # Committed, then written again by a writer that still has it open: the object is the
@@ -2014,8 +2054,8 @@ class Committer:
         s.retry_reason = ""
         s.error = None
         if s.rid is not None and s.committed_generation >= s.flushed_generation:
-            # Lazily: the caller settles the journal before it deletes the old key (a row back
-            # after a power loss would publish the file under the old name again).
+            # Lazily: made durable with the record of the old key's deletion (`_delete_moved`),
+            # before it (a row back after a power loss would publish the file under the old name).
             self.journal.remove_nowait(s.rid)
             s.rid = None
         self.stats["copied_for_rename"] += 1

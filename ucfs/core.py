@@ -1284,7 +1284,7 @@ class Core:
         # before any await: a commit finishing meanwhile records the new object's ETag here.
         node.etag = target.etag if target is not None else ""
         try:
-            left_behind = await self.committer.renamed(node.staged, old_key)
+            plan = await self.committer.renamed(node.staged, old_key)
         except OSError:
             # Not recorded (the journal's disk full): the file keeps its name, as the failed rename
             # says; it was renamed all the same, its row left under the old name. (A file it was to
@@ -1292,7 +1292,7 @@ class Core:
             self.inodes.move(node, old_parent, old_name)
             node.etag = old_etag
             raise
-        if had_remote or left_behind:
+        if (had_remote or plan.old_object) and not plan.copied:  # (copied: the committer deleted it)
             await self._settle_journal()
             await store.delete(vol.bucket, old_key)
 

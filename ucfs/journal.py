@@ -48,6 +48,9 @@ LAZY_SYNC_S = 1.0
 
 # upload_id of an `uploads` row written before its upload was created (Journal.add_upload_intent).
 INTENT = "intent:"
+# upload_id of an `uploads` row that names an object to delete, not an upload: a renamed file's
+# object left under its old key once it was copied to the new one (Journal.add_delete).
+DELETE = "delete:"
 # Room kept on the journal's disk for the journal alone (a file of this size beside it, given up when
 # a write finds the disk full, made again once there is room). The staging files share the disk: a
 # writer that filled it must not leave the journal unable to record an unlink or a rename, or those
@@ -70,7 +73,8 @@ CREATE TABLE IF NOT EXISTS pending (
 );
 -- Multipart uploads started and not yet completed or aborted: a restarted daemon aborts them, so a
 -- crash never leaves parts behind in the store. A row is written before the upload is created, with
--- an upload_id of 'intent:...' until the store has answered (see Committer._start_upload).
+-- an upload_id of 'intent:...' until the store has answered (see Committer._start_upload). A row
+-- whose upload_id is 'delete:...' names an object that a restarted daemon deletes (add_delete).
 CREATE TABLE IF NOT EXISTS uploads (
     upload_id TEXT PRIMARY KEY,
     volume TEXT NOT NULL,
@@ -361,6 +365,19 @@ class Journal:
 
     async def resolve_upload(self, intent: str, upload_id: str) -> None:
         await self._execute("UPDATE uploads SET upload_id=? WHERE upload_id=?", (upload_id, intent))
+
+    async def add_delete(self, volume: str, key: str) -> str:
+        """Record, durably, that the object under `key` must go (a file renamed away from it and
+        copied to its new key): a daemon killed before it deleted it deletes it at the next mount.
+        Returns the row's id, for `remove_delete` once the object is deleted."""
+        marker = f"{DELETE}{uuid.uuid4().hex}"
+        await self.add_upload(marker, volume, key)
+        return marker
+
+    async def remove_delete(self, marker: str) -> None:
+        """Durably: the old name may be written again as soon as the rename returns, and a row left
+        behind by a power loss would then delete that new file at the next mount."""
+        await self._execute("DELETE FROM uploads WHERE upload_id=?", (marker,))
 
     def remove_upload_nowait(self, upload_id: str) -> None:
         self._enqueue("DELETE FROM uploads WHERE upload_id=?", (upload_id,), None)

@@ -955,6 +955,7 @@ def test_a_rename_of_a_large_file_committed_at_close_copies_it_on_the_server(tmp
             assert _stored(store, "old.bin") is None
             assert sent == {"pfx/old.bin": len(data)}, sent
             assert committer.journal.records() == []
+            assert committer.journal.uploads() == []  # nor the record of the old key's deletion
             assert committer.statistics()["copied_for_rename"] == 1
             n.cancel_scope.cancel()
 
@@ -994,3 +995,50 @@ def test_a_rename_whose_server_side_copy_fails_uploads_the_file_again(tmp_path, 
             n.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_the_old_key_of_a_copied_rename_is_deleted_by_the_next_mount_if_this_one_could_not(tmp_path, monkeypatch):
+    """Renamed and copied on the server, the file's object under the old key must go; a daemon that
+    could not delete it (killed, or the store refused) leaves a journal record, and the next mount
+    deletes it before anything else. Without the record the temp name came back for good."""
+    from ucfs import errors
+
+    monkeypatch.setattr(commit_mod, "STREAM_START_BYTES", 4 * MiB)
+    store = GatedStore()
+    cfg = _cfg(tmp_path)
+    data = os.urandom(24 * MiB + 123)
+
+    def refused_delete(bucket, key):
+        raise errors.StoreError(errors.EIO, "delete refused", status=500, transient=False)
+
+    async def rename_and_stop():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, cfg)
+            fh = await _write(core, vol, "old.bin", data)
+            while committer.statistics().get("stream_parts", 0) < 18:
+                await trio.sleep(0.01)
+            await core.flush(fh)
+            assert committer.statistics()["committed_at_close"] == 1
+            store.delete = refused_delete
+            await core.rename(vol, "old.bin", vol, "new.bin")
+            del store.delete
+            assert committer.statistics()["copied_for_rename"] == 1
+            assert [key for _, _, key, _ in committer.journal.uploads()] == ["pfx/old.bin"]
+            await core.release(fh)
+            await committer.shutdown(drain=True)
+            n.cancel_scope.cancel()
+
+    async def mount_again():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, cfg)
+            assert _stored(store, "old.bin") is None
+            assert _stored(store, "new.bin") == data
+            with trio.fail_after(5):
+                while committer.journal.uploads():  # its removal is written in the background
+                    await trio.sleep(0.01)
+            await committer.shutdown(drain=True)
+            n.cancel_scope.cancel()
+
+    trio.run(rename_and_stop)
+    assert _stored(store, "old.bin") == data  # left behind, and recorded
+    trio.run(mount_again)
