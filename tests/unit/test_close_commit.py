@@ -1042,3 +1042,51 @@ def test_the_old_key_of_a_copied_rename_is_deleted_by_the_next_mount_if_this_one
     trio.run(rename_and_stop)
     assert _stored(store, "old.bin") == data  # left behind, and recorded
     trio.run(mount_again)
+
+
+@pytest.mark.parametrize("then", ["rename back", "rename again", "unlink", "rewrite"])
+def test_what_follows_a_rename_that_copied_a_finished_stream_stays_right(tmp_path, monkeypatch, then):
+    """After a rename that let a stream's finish complete under the old key and copied it: a rename
+    back, a second rename, an unlink of the new name or a rewrite each leave the store as a local
+    file system would, with nothing under any other name."""
+    monkeypatch.setattr(commit_mod, "STREAM_START_BYTES", 2 * MiB)
+    monkeypatch.setattr(commit_mod, "BACKGROUND_SYNC_BYTES", 4 * MiB)
+    store = GatedStore()
+    store.gate.clear()
+    data = os.urandom(16 * MiB + 5)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, _cfg(tmp_path))
+            fh = await _write(core, vol, "old.bin", data)
+            s = core.file_handle(fh).staged
+            await core.flush(fh)
+            await core.release(fh)
+            with trio.fail_after(10):
+                while not s.commit_lock.locked():
+                    await trio.sleep(0.01)
+            await _rename_or_unlink_once_parts_wait(core, vol, store, "rename")
+            assert committer.statistics()["copied_for_rename"] == 1
+            want = {"new.bin": data}
+            if then == "rename back":
+                await core.rename(vol, "new.bin", vol, "old.bin")
+                want = {"old.bin": data}
+            elif then == "rename again":
+                await core.rename(vol, "new.bin", vol, "third.bin")
+                want = {"third.bin": data}
+            elif then == "unlink":
+                await core.unlink(vol, "new.bin")
+                want = {}
+            else:
+                fh2, _ = await core.create(vol, "new.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                await core.write(fh2, 0, b"second version")
+                await core.flush(fh2)
+                await core.release(fh2)
+                want = {"new.bin": b"second version"}
+            await committer.shutdown(drain=True)
+            assert {k[len("pfx/"):]: store.inner.get("bucket", k)[0] for k in store.inner.buckets["bucket"]} == want
+            assert store.inner.list_multipart("bucket", "pfx/") == []
+            assert committer.journal.records() == [] and committer.journal.uploads() == []
+            n.cancel_scope.cancel()
+
+    trio.run(main)
