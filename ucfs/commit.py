@@ -1376,7 +1376,7 @@ class Committer:
                 finally:
                     budget.release(reserved)
             else:
-                info = await self._multipart(s, store, key)
+                info = await self._multipart(s, store, key, for_rename=not in_place)
         # Published. Record it before anything else can look.
         node = s.node
         if node.key != key and not in_place and gen == s.generation and self._finishes_for_rename(s, key):
@@ -1548,7 +1548,10 @@ class Committer:
                 pool.release(buf)
             budget.release(length)
 
-    async def _multipart(self, s: Staged, store: AsyncStore, key: str) -> object:
+    async def _multipart(self, s: Staged, store: AsyncStore, key: str, *, for_rename: bool = False) -> object:
+        """Upload s whole as a multipart upload to `key`. A rename or unlink makes the parts not yet
+        started give up; `for_rename`: if none was left to start when a rename of the file away
+        from `key` came, the upload is completed for the rename to copy (`namespace_lock`)."""
         vol = s.volume
         gen = s.generation
         size = s.size
@@ -1582,7 +1585,7 @@ class Committer:
             async with s.lock:
                 if s.generation != gen:
                     raise _Changed("written while its parts were uploaded")
-            if s.giving_up:
+            if s.giving_up and not (for_rename and self._finishes_for_rename(s, key)):
                 raise _Changed("renamed or unlinked while its parts were uploaded")
             info = await store.complete_multipart(vol.bucket, key, upload_id, sorted(parts.items()))
             self.journal.remove_upload_nowait(upload_id)
@@ -1860,9 +1863,10 @@ class Committer:
         the file would then be uploaded again under its new name anyway.
 
         `moving_from`: the file is renamed away from this key. A commit finishing the file's
-        stream there goes on (`_finish_stream`): the rename waits for the parts in flight either
-        way, and after them only the last part and the completion are left, where giving up would
-        send every byte again. The rename then copies the object on the server."""
+        stream there goes on (`_finish_stream`), as does a multipart upload with every part on its
+        way (`_multipart`): the rename waits for the parts in flight either way, and after them
+        only the last part and the completion are left, where giving up would send every byte
+        again. The rename then copies the object on the server."""
         if s.commit_lock.locked():
             s.abandon = True
             s.moving_from = moving_from

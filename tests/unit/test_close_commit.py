@@ -1090,3 +1090,35 @@ def test_what_follows_a_rename_that_copied_a_finished_stream_stays_right(tmp_pat
             n.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a_rename_while_every_part_of_a_whole_file_upload_is_in_flight_sends_its_bytes_once(tmp_path, monkeypatch):
+    """A file committed whole as a multipart upload (it did not stream: a passthrough writer's, say),
+    renamed once every part is on its way: the rename waits for those parts anyway, so the upload
+    is completed and copied instead of given up and sent again. (With parts still to start, it is
+    given up: test_a_rename_or_unlink_does_not_wait_for_the_whole_upload_of_the_file.)"""
+    monkeypatch.setattr(commit_mod, "SINGLE_PUT_MAX_BYTES", 2 * MiB)
+    monkeypatch.setattr(commit_mod, "RENAME_COPY_MIN_BYTES", 2 * MiB)
+    store, _ = _gated_store_counting_parts()
+    sent = _counting_puts(store)
+    data = os.urandom(4 * MiB)  # 4 parts: as many as the 4 part slots
+
+    async def main():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, _cfg(tmp_path))
+            fh = await _write_back_to_front(core, vol, "old.bin", data)
+            await core.release(fh)
+            with trio.fail_after(10):
+                while store.parts_waiting < 4:
+                    await trio.sleep(0.01)
+            await _rename_or_unlink_once_parts_wait(core, vol, store, "rename")
+            await committer.shutdown(drain=True)
+            assert _stored(store, "new.bin") == data
+            assert _stored(store, "old.bin") is None
+            assert sent == {"pfx/old.bin": len(data)}, sent
+            st = committer.statistics()
+            assert st["published_for_rename"] == 1 and st["copied_for_rename"] == 1
+            assert committer.journal.records() == [] and committer.journal.uploads() == []
+            n.cancel_scope.cancel()
+
+    trio.run(main)
