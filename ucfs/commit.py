@@ -1948,7 +1948,16 @@ class Committer:
                         "; the next mount deletes it" if marker else "")
             return
         if marker is not None:
-            await self.journal.remove_delete(marker)
+            try:
+                await self.journal.remove_delete(marker)
+            except OSError as e:
+                # The rename is done in the store (new key copied, old one gone): failing it now
+                # would put the name back here over an object that is no longer there. The record
+                # goes with the journal's next batch instead; until then, a kill would have the next
+                # mount delete the old key again, which is gone already unless written anew since.
+                log.warning("could not remove the journal's record of deleting %r (%s); it goes with the "
+                            "next batch", old_key, e)
+                self.journal.remove_upload_nowait(marker)
 
     async def renamed_together(self, files: list[tuple[Staged, str | None]], *,
                                alone: bool = False) -> list["_Rename"]:

@@ -7,6 +7,7 @@ ours to set: the integration tests (tests/integration/test_write.py) show the sa
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -1042,6 +1043,43 @@ def test_the_old_key_of_a_copied_rename_is_deleted_by_the_next_mount_if_this_one
     trio.run(rename_and_stop)
     assert _stored(store, "old.bin") == data  # left behind, and recorded
     trio.run(mount_again)
+
+
+def test_a_copied_rename_whose_journal_cannot_remove_the_delete_record_still_succeeds(tmp_path, monkeypatch):
+    """Copied to the new key and deleted under the old one, the rename is done in the store. A full
+    journal disk refusing the removal of the delete record then failed the rename: the name went back
+    to the old one, whose object was already deleted, and the new name's object was unknown here."""
+    monkeypatch.setattr(commit_mod, "STREAM_START_BYTES", 4 * MiB)
+    store = GatedStore()
+    cfg = _cfg(tmp_path)
+    data = os.urandom(24 * MiB + 123)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, cfg)
+            fh = await _write(core, vol, "old.bin", data)
+            while committer.statistics().get("stream_parts", 0) < 18:
+                await trio.sleep(0.01)
+            await core.flush(fh)
+            assert committer.statistics()["committed_at_close"] == 1
+
+            async def journal_full(marker):
+                raise OSError(errno.ENOSPC, "commit journal write failed: database or disk is full")
+
+            monkeypatch.setattr(committer.journal, "remove_delete", journal_full)
+            await core.rename(vol, "old.bin", vol, "new.bin")
+            assert committer.statistics()["copied_for_rename"] == 1
+            assert _stored(store, "old.bin") is None and _stored(store, "new.bin") == data
+            assert (await core.lookup(vol, "new.bin")).size == len(data)
+            assert await core.lookup(vol, "old.bin") is None
+            with trio.fail_after(5):
+                while committer.journal.uploads():  # removed with the next batch instead
+                    await trio.sleep(0.01)
+            await core.release(fh)
+            await committer.shutdown(drain=True)
+            n.cancel_scope.cancel()
+
+    trio.run(main)
 
 
 @pytest.mark.parametrize("then", ["rename back", "rename again", "unlink", "rewrite"])
