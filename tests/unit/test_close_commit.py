@@ -55,6 +55,16 @@ async def _write(core, vol, name: str, data: bytes):
     return fh
 
 
+async def _write_closed_streamed(core, committer, vol, name: str, data: bytes):
+    """Write `data` (24 MiB and more, with STREAM_START_BYTES at 4 MiB) while its stream keeps up,
+    then close it: close() finishes the stream itself. Returns the handle, not yet released."""
+    fh = await _write(core, vol, name, data)
+    while committer.statistics().get("stream_parts", 0) < 18:  # the upload keeps up
+        await trio.sleep(0.01)
+    await core.flush(fh)
+    return fh
+
+
 def _stored(store: GatedStore, name: str) -> bytes | None:
     try:
         return store.inner.get("bucket", f"pfx/{name}")[0]
@@ -70,10 +80,7 @@ def test_close_finishes_a_stream_that_keeps_up(tmp_path, monkeypatch):
     async def main():
         async with trio.open_nursery() as n:
             core, committer, vol = await open_core(tmp_path, store, n, _cfg(tmp_path))
-            fh = await _write(core, vol, "s.bin", data)
-            while committer.statistics().get("stream_parts", 0) < 18:  # the upload keeps up
-                await trio.sleep(0.01)
-            await core.flush(fh)
+            fh = await _write_closed_streamed(core, committer, vol, "s.bin", data)
             # close() returned: the object is in the store, and was never journaled.
             assert _stored(store, "s.bin") == data
             st = committer.statistics()
@@ -944,10 +951,7 @@ def test_a_rename_of_a_large_file_committed_at_close_copies_it_on_the_server(tmp
     async def main():
         async with trio.open_nursery() as n:
             core, committer, vol = await open_core(tmp_path, store, n, _cfg(tmp_path))
-            fh = await _write(core, vol, "old.bin", data)
-            while committer.statistics().get("stream_parts", 0) < 18:  # the upload keeps up
-                await trio.sleep(0.01)
-            await core.flush(fh)
+            fh = await _write_closed_streamed(core, committer, vol, "old.bin", data)
             assert committer.statistics()["committed_at_close"] == 1
             await core.rename(vol, "old.bin", vol, "new.bin")
             await core.release(fh)
@@ -981,10 +985,7 @@ def test_a_rename_whose_server_side_copy_fails_uploads_the_file_again(tmp_path, 
     async def main():
         async with trio.open_nursery() as n:
             core, committer, vol = await open_core(tmp_path, store, n, _cfg(tmp_path))
-            fh = await _write(core, vol, "old.bin", data)
-            while committer.statistics().get("stream_parts", 0) < 18:
-                await trio.sleep(0.01)
-            await core.flush(fh)
+            fh = await _write_closed_streamed(core, committer, vol, "old.bin", data)
             assert committer.statistics()["committed_at_close"] == 1
             await core.rename(vol, "old.bin", vol, "new.bin")
             await core.release(fh)
@@ -1015,10 +1016,7 @@ def test_the_old_key_of_a_copied_rename_is_deleted_by_the_next_mount_if_this_one
     async def rename_and_stop():
         async with trio.open_nursery() as n:
             core, committer, vol = await open_core(tmp_path, store, n, cfg)
-            fh = await _write(core, vol, "old.bin", data)
-            while committer.statistics().get("stream_parts", 0) < 18:
-                await trio.sleep(0.01)
-            await core.flush(fh)
+            fh = await _write_closed_streamed(core, committer, vol, "old.bin", data)
             assert committer.statistics()["committed_at_close"] == 1
             store.delete = refused_delete
             await core.rename(vol, "old.bin", vol, "new.bin")
@@ -1057,10 +1055,7 @@ def test_a_copied_rename_whose_journal_cannot_remove_the_delete_record_still_suc
     async def main():
         async with trio.open_nursery() as n:
             core, committer, vol = await open_core(tmp_path, store, n, cfg)
-            fh = await _write(core, vol, "old.bin", data)
-            while committer.statistics().get("stream_parts", 0) < 18:
-                await trio.sleep(0.01)
-            await core.flush(fh)
+            fh = await _write_closed_streamed(core, committer, vol, "old.bin", data)
             assert committer.statistics()["committed_at_close"] == 1
 
             async def journal_full(marker):
