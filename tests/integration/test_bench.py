@@ -85,7 +85,9 @@ def _bench(s3_endpoint, bucket, prefix, tmp_path, *args):
     out = tmp_path / "bench.json"
     r = subprocess.run(
         [sys.executable, "-m", "ucfs", "bench", "--endpoint", s3_endpoint.url,
-         "--access-key", s3_endpoint.access_key, "--secret-key", s3_endpoint.secret_key,
+         # The `=` form: a generated secret may begin with "-", which argparse
+         # would otherwise read as the next option.
+         f"--access-key={s3_endpoint.access_key}", f"--secret-key={s3_endpoint.secret_key}",
          "--region", s3_endpoint.region, "--bucket", bucket, "--prefix", f"{prefix}/bench/",
          *args, "--work-dir", str(tmp_path / "work"), "--json", str(out)],
         capture_output=True, text=True, cwd=REPO, timeout=600)
