@@ -63,6 +63,13 @@ log = logging.getLogger(__name__)
 
 # Files up to this size are committed with one PUT; larger ones as a multipart upload.
 SINGLE_PUT_MAX_BYTES = 16 * MiB
+# A file of up to one PUT waits this long after its last close before a worker takes it. Saving a
+# file atomically (rsync, editors, `torch.save` to a temporary name, then `os.replace`) renames or
+# removes it right after the close, once the kernel has looked up the new name, a store round
+# trip. Taken at once, such a file cost a PUT under the temporary name, a COPY and a DELETE, and
+# the rename waited for the PUT; taken after the rename, one PUT under the final name, and nothing
+# at all for a temporary file removed. An fsync() or an unmount does not wait for it.
+COMMIT_SETTLE_S = 0.1
 # A stream (upload while writing) starts once a file opened for writing has grown this large by
 # appends only: smaller files are cheaper to send whole at close.
 STREAM_START_BYTES = 32 * MiB
@@ -289,6 +296,9 @@ class Staged:
     attempts: int = 0
     retry_reason: str = ""  # why the last attempt failed, while it is retried (ucfs status)
     queued: bool = False
+    # Queued, but waiting out COMMIT_SETTLE_S first (`Committer._settling`), until `settle_due`.
+    settling: bool = False
+    settle_due: float = 0.0
     fsync_waiters: int = 0
     dropped: bool = False  # unlinked: never commit
     # A rename or unlink waits for the commit lock: the commit holding it gives up at its next part
@@ -369,6 +379,10 @@ class Committer:
         self.staged: dict[int, Staged] = {}  # by inode number
         self._queue: collections.OrderedDict[int, Staged] = collections.OrderedDict()
         self._idle_workers = trio.lowlevel.ParkingLot()
+        # Closed files waiting out COMMIT_SETTLE_S, in the order they are due: (due, file). An
+        # entry whose file has left (`Staged.settling` false, or due again later) is skipped.
+        self._settling: collections.deque[tuple[float, Staged]] = collections.deque()
+        self._settler = trio.lowlevel.ParkingLot()
         self._nursery: trio.Nursery | None = None
         self._part_slots = trio.CapacityLimiter(max(4, cfg.store_concurrency // 4))
         # What a stream that keeps up has left to upload: the parts that may be in flight at once,
@@ -406,6 +420,7 @@ class Committer:
             await self._replay()
             for i in range(self.workers):
                 n.start_soon(self._worker, name=f"commit-worker-{i}")
+            n.start_soon(self._settle, name="commit-settle")
             self._refill_spares()
             task_status.started()
             await trio.sleep_forever()
@@ -525,6 +540,9 @@ class Committer:
         """Stop: with drain, first wait (with progress in the log) until nothing commits any more,
         or `stop_draining` is called."""
         self._shutting_down = True
+        for _, s in list(self._settling):
+            if s.settling:
+                self._enqueue(s)  # no more waiting: the drain starts them all now
         if drain:
             last = 0.0
             while self._drain_stopped is None and (pending := self._waiting()):
@@ -1129,7 +1147,7 @@ class Committer:
                 if s.error is not None and s.error.errno != errors.ENOSPC:
                     s.error = None  # new data: try again
                 if s.writers == 0:
-                    self._enqueue(s)
+                    self._enqueue(s, settle=True)
         if s.pt_writers > (1 if unseen else 0):
             # Other passthrough writers hold it open, and what they write we do not see: the closed
             # version cannot be kept only when they write below its end (`_changes_closed`), so
@@ -1160,8 +1178,8 @@ class Committer:
             while not s.dropped and s.committed_generation < target:
                 if s.error is not None:
                     raise s.error
-                if not s.queued and not s.commit_lock.locked():
-                    self._enqueue(s)
+                if s.settling or (not s.queued and not s.commit_lock.locked()):
+                    self._enqueue(s)  # (and waiting out COMMIT_SETTLE_S no longer)
                 await s.progress.wait()
         finally:
             s.fsync_waiters -= 1
@@ -1171,9 +1189,13 @@ class Committer:
         """fsync on a directory: wait for everything pending beneath it."""
         prefix = node.dir_prefix
         vol = node.volume
-        for s in list(self.staged.values()):
-            if s.volume is vol and not s.dropped and s.node.key.startswith(prefix) and s.dirty:
-                await self.fsync(s)
+        beneath = [s for s in self.staged.values()
+                   if s.volume is vol and not s.dropped and s.node.key.startswith(prefix) and s.dirty]
+        for s in beneath:
+            if s.settling:
+                self._enqueue(s)  # all at once: waiting for them one by one would send them so
+        for s in beneath:
+            await self.fsync(s)
 
     async def release(self, h: "FileHandle") -> None:
         s = h.staged
@@ -1183,7 +1205,7 @@ class Committer:
         if h.writable:
             s.writers -= 1
         if s.writers == 0 and s.dirty and s.flushed_generation >= 0:
-            self._enqueue(s)  # the last writer is done: commit what close() made durable
+            self._enqueue(s, settle=True)  # the last writer is done: commit what close() made durable
         self._maybe_retire(s)
 
     def _stream_lag(self, s: Staged) -> int | None:
@@ -1257,8 +1279,23 @@ class Committer:
         return s.committed_generation >= gen
 
     # -- the queue ------------------------------------------------------------------------------
-    def _enqueue(self, s: Staged) -> None:
-        if s.dropped or s.queued:
+    def _enqueue(self, s: Staged, *, settle: bool = False) -> None:
+        """Queue s for a worker; `settle`: a close queues it, and a small file waits out
+        COMMIT_SETTLE_S first. Without `settle`, a file waiting so is queued at once."""
+        if s.dropped:
+            return
+        if s.settling:
+            if settle:
+                return
+            s.settling = False  # its entry in `_settling` is skipped
+        elif s.queued:
+            return
+        elif (settle and not self._shutting_down and not s.fsync_waiters and s.stream is None
+              and s.size <= SINGLE_PUT_MAX_BYTES and self._nursery is not None):
+            s.queued = s.settling = True
+            s.settle_due = time.monotonic() + COMMIT_SETTLE_S
+            self._settling.append((s.settle_due, s))
+            self._settler.unpark()
             return
         s.queued = True
         self._queue[id(s)] = s
@@ -1266,6 +1303,21 @@ class Committer:
         # closed cost 64 task switches per file, most of the event loop's time writing small files.
         # A worker that is busy now looks at the queue before it waits again, so nothing is missed.
         self._idle_workers.unpark()
+
+    async def _settle(self) -> None:
+        """Hand files to the workers as their COMMIT_SETTLE_S runs out."""
+        while True:
+            while not self._settling:
+                await self._settler.park()
+            due, s = self._settling[0]
+            wait = due - time.monotonic()
+            if wait > 0:
+                await trio.sleep(wait)
+                continue
+            self._settling.popleft()
+            if s.settling and s.settle_due == due:
+                s.settling = s.queued = False
+                self._enqueue(s)
 
     async def _next(self) -> Staged:
         while not self._queue:
@@ -1278,38 +1330,44 @@ class Committer:
         while True:
             s = await self._next()
             async with s.commit_lock:
-                s.abandon = False  # whoever asked has had the lock by now (or gave up waiting)
-                self._remove_superseded(s)
-                if s.dropped or s.node.staged is not s:
-                    continue
-                kept = s.kept is not None
-                if not kept and (not s.dirty or s.flushed_generation < 0):
-                    continue
-                if (not kept and s.writers > 0 and not s.fsync_waiters
-                        and (s.generation > s.flushed_generation or s.pt_writers)):
-                    continue  # written since its last close, and still open: the last release queues it
-                try:
-                    if kept:
-                        await self._commit_kept(s)
-                    else:
-                        await self._commit(s)
-                except _Changed as e:
-                    log.debug("commit of %s starts again: %s", s.node.mount_path(), e)
-                    self.stats["restarted"] += 1
-                    self._enqueue(s)
-                except errors.StoreError as e:
-                    self._failed(s, e)
-                except OSError as e:
-                    # This host's own trouble. A full disk (the journal's, or the cache's) passes:
-                    # retried like a store's 503, not reported failed until the next fsync().
-                    self._failed(s, errors.StoreError(e.errno or errors.EIO, str(e),
-                                                      transient=e.errno in (errno.ENOSPC, errno.EDQUOT)))
-                except Exception as e:  # noqa: BLE001 - a bug must not kill the worker pool
-                    log.exception("commit of %s failed unexpectedly", s.node.mount_path())
-                    self._failed(s, errors.StoreError(errors.EIO, f"unexpected: {e!r}", transient=True))
-                finally:
-                    self._remove_superseded(s)
+                await self._take(s)
+            # Also when it found nothing to do: a commit by fsync() that ended while this worker
+            # held the lock could not retire the file, and nothing else would have.
             self._maybe_retire(s)
+
+    async def _take(self, s: Staged) -> None:
+        """A worker's turn with s, under its commit lock."""
+        s.abandon = False  # whoever asked has had the lock by now (or gave up waiting)
+        self._remove_superseded(s)
+        if s.dropped or s.node.staged is not s:
+            return
+        kept = s.kept is not None
+        if not kept and (not s.dirty or s.flushed_generation < 0):
+            return
+        if (not kept and s.writers > 0 and not s.fsync_waiters
+                and (s.generation > s.flushed_generation or s.pt_writers)):
+            return  # written since its last close, and still open: the last release queues it
+        try:
+            if kept:
+                await self._commit_kept(s)
+            else:
+                await self._commit(s)
+        except _Changed as e:
+            log.debug("commit of %s starts again: %s", s.node.mount_path(), e)
+            self.stats["restarted"] += 1
+            self._enqueue(s)
+        except errors.StoreError as e:
+            self._failed(s, e)
+        except OSError as e:
+            # This host's own trouble. A full disk (the journal's, or the cache's) passes:
+            # retried like a store's 503, not reported failed until the next fsync().
+            self._failed(s, errors.StoreError(e.errno or errors.EIO, str(e),
+                                              transient=e.errno in (errno.ENOSPC, errno.EDQUOT)))
+        except Exception as e:  # noqa: BLE001 - a bug must not kill the worker pool
+            log.exception("commit of %s failed unexpectedly", s.node.mount_path())
+            self._failed(s, errors.StoreError(errors.EIO, f"unexpected: {e!r}", transient=True))
+        finally:
+            self._remove_superseded(s)
 
     def _failed(self, s: Staged, e: errors.StoreError) -> None:
         s.attempts += 1
@@ -1889,7 +1947,7 @@ class Committer:
             was_queued = s.queued
             s.dropped = True
             self._queue.pop(id(s), None)
-            s.queued = False
+            s.queued = s.settling = False
             self._invalidate_stream(s, "dropped")
             if s.rid is not None:
                 rid, s.rid = s.rid, None
