@@ -54,6 +54,8 @@ REFRESH_AHEAD_MAX_LEAD = 0.5
 # tried again at its next lookup, and otherwise listed on expiry, as without refreshes ahead. Four
 # LISTs of 10-30 ms still refresh a hundred or more directories a second.
 REFRESH_AHEAD_MAX_IN_FLIGHT = 4
+# Names remembered absent per directory (`Inode.absent`) before the expired ones are cleared out.
+ABSENT_NAMES_MAX = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,8 +311,20 @@ class Core:
             if entry is None:
                 return self._pending_local(parent, name, listing.as_of)
             return self._apply_entry(parent, name, entry, listing.as_of)
+        ttl = self.cfg.metadata_ttl_s
+        absent_at = parent.absent.get(name)
+        if absent_at is not None:
+            if time.monotonic() - absent_at < ttl:
+                # Found absent less than a TTL ago, as the kernel's negative entry says: a create
+                # or a rename to this name right after the kernel's own lookup (every one of them)
+                # asks the store nothing again.
+                self.stats["lookups_absent_known"] += 1
+                return self._pending_local(parent, name, absent_at)
+            del parent.absent[name]
         entry, seen_at = await self._probe(vol, key)
         if entry is None or self._removed_since(parent, name, seen_at):
+            if entry is None and name not in parent.children_by_name:
+                self._note_absent(parent, name, seen_at)
             return self._pending_local(parent, name, seen_at)
         node = self._apply_entry(parent, name, entry, seen_at)
         # As for a revalidating HEAD: what this probe said is newer than any listing sent before
@@ -318,6 +332,17 @@ class Core:
         # back the version it saw (opens would read it from the cache).
         self._changed_at[node] = max(self._changed_at.get(node, float("-inf")), seen_at)
         return node
+
+    def _note_absent(self, parent: Inode, name: str, seen_at: float) -> None:
+        absent = parent.absent
+        if len(absent) >= ABSENT_NAMES_MAX:
+            # Keep the memory bounded: what has expired goes, and if nothing has, all of it.
+            now, ttl = time.monotonic(), self.cfg.metadata_ttl_s
+            for n in [n for n, t in absent.items() if now - t >= ttl]:
+                del absent[n]
+            if len(absent) >= ABSENT_NAMES_MAX:
+                absent.clear()
+        absent[name] = seen_at
 
     def _pending_local(self, parent: Inode, name: str, seen_at: float | None = None) -> Inode | None:
         """A name the store does not know may still exist here (created, not yet committed; or

@@ -103,6 +103,9 @@ class Inode:
     # nor the store knows it yet; nothing may take the name away meanwhile (see Core.create).
     creating: int = 0
     children_by_name: dict[str, "Inode"] = field(default_factory=dict)
+    # Directories: names a probe found absent from the store, and as of when (time.monotonic()),
+    # for core.Core._lookup_child; a name gets a node here and leaves this at once.
+    absent: dict[str, float] = field(default_factory=dict)
 
     def rel_path(self) -> str:
         """Path inside the volume ("" for the volume's top directory)."""
@@ -172,6 +175,7 @@ class InodeTable:
         self._next += 1
         self._by_ino[node.ino] = node
         parent.children_by_name[name] = node
+        parent.absent.pop(name, None)
         parent.children += 1
         if kind is Kind.FILE and volume is not None and self.kept_mtimes:
             kept = self.kept_mtimes.pop((volume.full_name, node.key), None)
@@ -203,6 +207,7 @@ class InodeTable:
         node.parent = new_parent
         node.name = new_name
         new_parent.children_by_name[new_name] = node
+        new_parent.absent.pop(new_name, None)
 
     def forget(self, ino: int, n: int) -> None:
         node = self._by_ino.get(ino)

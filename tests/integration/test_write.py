@@ -164,6 +164,37 @@ def test_rename_file_and_noreplace(mount, s3, bucket, prefix):
     assert r.returncode in (0, 1)
 
 
+def test_an_atomic_save_sends_each_file_once_under_its_final_name(mount, s3, bucket, prefix):
+    """A file saved by writing a temporary name and renaming it over the final one right after the
+    close (rsync, editors, torch.save then os.replace) is one PUT under the final name: no COPY, no
+    DELETE, no temporary name in the store. A temporary file removed right after its close costs
+    nothing. Each new name is asked of the store once (the kernel's lookup), not again by the
+    create or the rename that follow it."""
+    v = mount.path()
+    datas = {f"f{i:02d}.bin": os.urandom(10_000 + i) for i in range(20)}
+    before = mount.store_stats()
+    for name, data in datas.items():
+        tmp = v / f".{name}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.utime(tmp, (1_600_000_000, 1_600_000_000))
+        os.replace(tmp, v / name)
+    for i in range(5):
+        scratch = v / f"scratch{i}"
+        scratch.write_bytes(b"x" * 1000)
+        os.unlink(scratch)
+    sync_dir(v)
+    after = mount.store_stats()
+    sent = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert sent.get("put", 0) == len(datas), sent
+    assert sent.get("copy", 0) == 0 and sent.get("delete", 0) == 0, sent
+    assert sent.get("head", 0) <= 2 * len(datas) + 5, sent
+    assert keys(s3, bucket, f"{prefix}/vol/") == sorted(f"{prefix}/vol/{n}" for n in datas)
+    for name, data in datas.items():
+        assert obj(s3, bucket, f"{prefix}/vol/{name}") == data
+    assert os.stat(v / "f00.bin").st_mtime == 1_600_000_000
+
+
 def test_cp_tree_mv_directory_and_rm_rf(mount, s3, bucket, prefix, tmp_path):
     src = tmp_path / "tree"
     files = {}

@@ -1,9 +1,10 @@
-"""Files that settle before their commit (`commit.COMMIT_SETTLE_S`), on the core with the
-in-memory store.
+"""Names a probe found absent (`Inode.absent`) and files that settle before their commit
+(`commit.COMMIT_SETTLE_S`), on the core with the in-memory store.
 
-A file saved under a temporary name and renamed (or removed) right after its close must be sent
-once under its final name (or not at all), and nothing that waits for the store (fsync, the drain
-of an unmount) may wait out the settling time.
+A create or a rename to a new name reaches the daemon right after the kernel's own lookup of that
+name, and each asked the store again. Remembering the answer for the metadata TTL, as the kernel
+remembers its negative entry, must never hide a name created here, nor one created elsewhere for
+longer than the TTL.
 """
 
 from __future__ import annotations
@@ -39,6 +40,58 @@ def _run(tmp_path, body):
 
     trio.run(main)
     return inner
+
+
+def _heads(inner):
+    return inner.statistics().get("head", 0)
+
+
+def test_a_name_found_absent_is_not_asked_for_again_within_the_ttl(tmp_path):
+    async def body(core, committer, vol, inner):
+        assert await core.lookup(vol, "late.txt") is None
+        heads = _heads(inner)
+        inner.put_bytes("bucket", "pfx/late.txt", b"theirs")  # another writer, just after
+        assert await core.lookup(vol, "late.txt") is None  # as the kernel's negative entry would say
+        assert _heads(inner) == heads
+        await trio.sleep(TTL + 0.05)
+        attrs = await core.lookup(vol, "late.txt")  # and no longer than that
+        assert attrs is not None and attrs.size == len(b"theirs")
+        assert _heads(inner) > heads
+
+    _run(tmp_path, body)
+
+
+def test_a_name_created_here_is_found_after_its_inode_is_forgotten(tmp_path):
+    async def body(core, committer, vol, inner):
+        assert await core.lookup(vol, "mine.txt") is None
+        fh, attrs = await core.create(vol, "mine.txt", CREATE)
+        await core.write(fh, 0, b"ours")
+        await core.flush(fh)
+        await core.release(fh)
+        await committer.fsync_tree(core.node(vol))
+        assert inner.get("bucket", "pfx/mine.txt")[0] == b"ours"
+        node = core.node(attrs.ino)
+        core.forget(attrs.ino, node.lookups)  # the kernel lets go of it: the inode is dropped
+        with trio.fail_after(5):
+            while "mine.txt" in core.node(vol).children_by_name:  # (once its staging file retires)
+                await trio.sleep(0.01)
+        found = await core.lookup(vol, "mine.txt")  # within the TTL of the lookup that found it absent
+        assert found is not None and found.size == 4
+
+    _run(tmp_path, body)
+
+
+def test_a_name_renamed_in_is_not_remembered_absent(tmp_path):
+    async def body(core, committer, vol, inner):
+        inner.put_bytes("bucket", "pfx/src.txt", b"moved")
+        assert await core.lookup(vol, "src.txt") is not None
+        assert await core.lookup(vol, "dst.txt") is None
+        await core.rename(vol, "src.txt", vol, "dst.txt")
+        assert core.node(vol).absent.get("dst.txt") is None
+        attrs = await core.lookup(vol, "dst.txt")
+        assert attrs is not None and attrs.size == 5
+
+    _run(tmp_path, body)
 
 
 def test_a_file_renamed_right_after_its_close_is_sent_once_under_its_final_name(tmp_path):
