@@ -17,6 +17,7 @@ import collections
 import contextlib
 import itertools
 import logging
+import math
 import os
 import stat as stat_mod
 import time
@@ -739,6 +740,12 @@ class Core:
         if node.kind.is_dir:
             raise errors.fs_error(errors.EISDIR)
         self._refuse_superseded(node)
+        if node.deleted and node.staged is None:
+            # Unlinked or replaced by a rename while this open was on its way: the kernel's dentry
+            # leads here until that returns. What the inode stood for is gone (a last close that
+            # was never committed, or an object deleted): not an older version of it from the
+            # store or the cache. ESTALE makes the kernel look the name up again.
+            raise errors.fs_error(errors.ESTALE, "removed while this open was on its way")
         accmode = flags & os.O_ACCMODE
         writable = accmode != os.O_RDONLY
         if writable or flags & os.O_TRUNC:
@@ -1064,12 +1071,32 @@ class Core:
         # A file taken up from the journal at mount was made without asking the store: an older
         # object may be under its key all the same.
         replayed = node.staged is not None and node.staged.replayed
-        if node.staged is not None:
-            await self.committer.drop(node.staged)
-        if node.etag or replayed:  # the ETag as it is now: a commit may have finished meanwhile
-            await self._settle_journal()
-            await self.store_for(vol).delete(vol.bucket, node.key)
-        await self._forget_name(parent, node)
+        # The name goes here before the store is asked, and nothing the store says of it counts
+        # until the DELETE is done: the object is older than what is dropped when the file's last
+        # close was not committed yet, and a lookup or a listing meanwhile would have served it. An
+        # open through the kernel's dentry, which stays until the unlink returns, reads that last
+        # close: the staging file is kept until then (dropped, never committed).
+        held = node.staged
+        if held is not None:
+            self.committer.pin(held)
+        try:
+            if held is not None:
+                await self.committer.drop(held)
+            if node.etag or replayed:  # the ETag as it is now: a commit may have finished meanwhile
+                await self._settle_journal()
+                key = node.key
+                self._removed_at[(parent.ino, name)] = math.inf
+                self._unname(parent, node)
+                try:
+                    await self.store_for(vol).delete(vol.bucket, key)
+                finally:
+                    self._note_removed(parent, name)  # (failed: the store's object shows again)
+                await self._keep_dir(parent)
+            else:
+                await self._forget_name(parent, node)
+        finally:
+            if held is not None:
+                self.committer.unpin(held)
         self.stats["unlinks"] += 1
 
     def _object_readers(self, node: Inode) -> list[FileHandle]:
@@ -1165,13 +1192,15 @@ class Core:
 
     async def _forget_name(self, parent: Inode, node: Inode) -> None:
         """node is gone from parent: drop it from caches, and keep parent itself alive in the store."""
-        name = node.name
-        self._note_removed(parent, name)
+        self._note_removed(parent, node.name)
+        self._unname(parent, node)
+        await self._keep_dir(parent)
+
+    def _unname(self, parent: Inode, node: Inode) -> None:
         self.inodes.detach(node)
         node.deleted = True
         if parent.listing is not None:
-            parent.listing.entries.pop(name, None)
-        await self._keep_dir(parent)
+            parent.listing.entries.pop(node.name, None)
 
     async def _keep_dir(self, d: Inode) -> None:
         """d has just lost an entry. If that entry was what made d exist in the store (a directory
@@ -1259,10 +1288,26 @@ class Core:
             log.debug("rename %s -> %s/%s (inode %d, staged %s, replacing %s)", node.mount_path(),
                       new_parent.mount_path(), new_name, node.ino, node.staged is not None,
                       "nothing" if target is None else f"inode {target.ino}")
-        if node.kind is Kind.FILE:
-            await self._rename_file(store, vol, node, target, new_parent, new_name)
-        else:
-            await self._rename_dir(store, vol, node, target, new_parent, new_name)
+        # The replaced file goes at once, and until the rename is done nothing the store says of
+        # the name counts: its object there is older than the replaced file's last close when that
+        # was not committed yet, and a lookup meanwhile would have served it. An open through the
+        # kernel's dentry, which stays until the rename returns, reads that last close: its staging
+        # file is kept until then (dropped, never committed).
+        held = target.staged if target is not None else None
+        if target is not None:
+            self._removed_at[(new_parent.ino, new_name)] = math.inf
+        if held is not None:
+            self.committer.pin(held)
+        try:
+            if node.kind is Kind.FILE:
+                await self._rename_file(store, vol, node, target, new_parent, new_name)
+            else:
+                await self._rename_dir(store, vol, node, target, new_parent, new_name)
+        finally:
+            if target is not None:
+                self._note_removed(new_parent, new_name)
+            if held is not None:
+                self.committer.unpin(held)
         if old_parent.listing is not None:
             old_parent.listing.entries.pop(old_name, None)
         if old_parent is not new_parent:
@@ -1303,6 +1348,18 @@ class Core:
         had_remote = bool(node.etag) or node.staged.replayed
         old_parent, old_name, old_etag = node.parent, node.name, node.etag
         self.inodes.move(node, new_parent, new_name)
+        # As for an unlink: the old name's object, if any, is older than the file's last close, and
+        # until it is deleted nothing the store says of that name counts.
+        self._removed_at[(old_parent.ino, old_name)] = math.inf
+        if old_parent.listing is not None:
+            old_parent.listing.entries.pop(old_name, None)
+        try:
+            await self._move_staged(store, vol, node, target, old_key, old_parent, old_name, old_etag, had_remote)
+        finally:
+            self._note_removed(old_parent, old_name)
+
+    async def _move_staged(self, store: AsyncStore, vol: Volume, node: Inode, target: Inode | None, old_key: str,
+                           old_parent: Inode, old_name: str, old_etag: str, had_remote: bool) -> None:
         # The replaced file's object stays under the new name until our commit overwrites it. The
         # node now stands for that object, so that an unlink (or another rename) before the commit
         # deletes it: otherwise the old content would come back once the listing is refreshed. Set

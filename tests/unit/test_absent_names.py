@@ -9,10 +9,12 @@ longer than the TTL.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
 
+import pytest
 import trio
 
 from ucfs import commit as commit_mod
@@ -174,3 +176,54 @@ def test_a_directory_fsync_sends_the_files_settling_beneath_it_together(tmp_path
 
     _run(tmp_path, body)
     assert in_flight[1] > 1, in_flight
+
+
+def _bytes(got) -> bytes:
+    return b"".join(bytes(p) for p in got) if isinstance(got, tuple) else bytes(got)
+
+
+def test_an_open_racing_an_unlink_never_reads_the_version_before_the_last_close(tmp_path, monkeypatch):
+    """The store holds v1; v2 is closed here and not committed yet (settling) when the file is
+    unlinked. While the DELETE is on its way the kernel's dentry still leads to the inode: an open
+    then reads v2, a lookup finds nothing, and once the unlink is done an open is ESTALE (the
+    kernel looks the name up again). Reading v1, from the store or the disk cache, is a stale read
+    the soak caught once the commit of v2 waited to settle."""
+    monkeypatch.setattr(commit_mod, "COMMIT_SETTLE_S", 30.0)
+    gate = threading.Event()
+    entered = threading.Event()
+
+    async def body(core, committer, vol, inner):
+        inner.put_bytes("bucket", "pfx/f.bin", b"v1" * 1000)
+        attrs = await core.lookup(vol, "f.bin")
+        fh, _ = await core.open(attrs.ino, os.O_RDONLY)
+        assert _bytes(await core.read(fh, 0, 2000)) == b"v1" * 1000  # v1 is in the disk cache now
+        await core.release(fh)
+        fh, _ = await core.open(attrs.ino, os.O_WRONLY | os.O_TRUNC)
+        await core.write(fh, 0, b"v2" * 1000)
+        await core.flush(fh)
+        await core.release(fh)
+        assert core.node(attrs.ino).staged.settling
+        real_delete = inner.delete
+
+        def held_delete(bucket, key):
+            entered.set()
+            gate.wait(10)
+            real_delete(bucket, key)
+
+        monkeypatch.setattr(inner, "delete", held_delete)
+        async with trio.open_nursery() as n:
+            n.start_soon(core.unlink, vol, "f.bin")
+            with trio.fail_after(5):
+                while not entered.is_set():
+                    await trio.sleep(0.005)
+            assert await core.lookup(vol, "f.bin") is None
+            fh, _ = await core.open(attrs.ino, os.O_RDONLY)  # through the kernel's dentry
+            assert _bytes(await core.read(fh, 0, 2000)) == b"v2" * 1000
+            await core.release(fh)
+            gate.set()
+        with pytest.raises(OSError) as e:
+            await core.open(attrs.ino, os.O_RDONLY)
+        assert e.value.errno == errno.ESTALE
+        assert "pfx/f.bin" not in inner.buckets["bucket"]
+
+    _run(tmp_path, body)
