@@ -1530,16 +1530,18 @@ class Core:
 
     # -- file system ----------------------------------------------------------------------------
     def statfs(self) -> dict[str, int]:
-        """Sizes reported to df: the object store has no fixed size, so report a large one; free
-        space is what the local staging/cache disk has, since that is what writes need first."""
+        """Sizes reported to df. The object store has no fixed size and none of it is ours to
+        count as used: a large size, all of it free, so df shows 0 % used, not 100 %. What may be
+        written now (f_bavail: df's Avail, shutil.disk_usage's free) is what the staging disk has,
+        since every write lands there first and fails with ENOSPC without it."""
         bsize = self.cfg.block_bytes
-        free = 1 << 50
+        avail = 1 << 50
         if self.cache is not None:
             st = os.statvfs(self.cache.root)
-            free = st.f_bavail * st.f_frsize
-        total = max(1 << 50, free)
+            avail = st.f_bavail * st.f_frsize
+        total = max(1 << 50, avail)
         return {"f_bsize": bsize, "f_frsize": bsize, "f_blocks": total // bsize,
-                "f_bfree": free // bsize, "f_bavail": free // bsize, "f_files": 1 << 32,
+                "f_bfree": total // bsize, "f_bavail": avail // bsize, "f_files": 1 << 32,
                 "f_ffree": 1 << 31, "f_favail": 1 << 31, "f_namemax": NAME_MAX_BYTES}
 
     def statistics(self) -> dict:

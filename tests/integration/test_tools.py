@@ -8,6 +8,7 @@ version it committed) does not look to them like a change.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import time
 
@@ -172,3 +173,19 @@ def test_a_file_written_here_keeps_its_times_after_the_kernel_forgets_it(mount):
     for name, t in want.items():
         assert os.stat(d / name).st_mtime_ns == t * 10**9, name
     assert os.stat(d / "now.txt").st_mtime_ns == now_mtime
+
+
+def test_df_shows_the_volume_unused_with_the_staging_disks_room_available(mount):
+    """A store has no fixed size: df showed 1 PiB 100 % used (all of it less the staging disk's free
+    space), which monitoring reads as a full disk. It shows 0 % used, and as available what writes
+    need first: the free space of the disk under the cache directory."""
+    v = mount.path()
+    out = subprocess.run(["df", "-P", "-B1", str(v)], capture_output=True, text=True, check=True).stdout
+    size, used, avail, pcent = out.splitlines()[1].split()[1:5]
+    assert int(used) == 0 and pcent == "0%", out
+    staging = os.statvfs(mount.state_dir)
+    staging_avail = staging.f_bavail * staging.f_frsize
+    assert abs(int(avail) - staging_avail) < 64 * MiB, (out, staging_avail)  # (other tests write meanwhile)
+    assert int(size) >= 1 << 50
+    usage = shutil.disk_usage(v)
+    assert usage.used == 0 and abs(usage.free - staging_avail) < 64 * MiB
