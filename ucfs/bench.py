@@ -1470,14 +1470,15 @@ class Bench:
                                            note="ceiling column: the cold read"), seconds=dt2, requests=req)
             self._verify_large(path)
 
-    def _note_daemon(self, m: BenchMount, name: str, since: ThreadCpu) -> None:
+    def _note_daemon(self, m: BenchMount, name: str, since: ThreadCpu, files: int = 0) -> None:
         """Where the daemon's CPU went during a read, and how its read path ran: what to look at
-        first when a cold read is slower than the rounds beside it."""
+        first when a read is slower than the rounds beside it. `files`: also per file."""
         cpu = _cpu_delta(since, m.thread_cpu())
+        per_file = f", {sum(cpu.values()) / files * 1e3:.2f} ms per file" if files else ""
         with contextlib.suppress(OSError, UcfsError):
             st = m.status()
             core = st.get("core") or {}
-            say(f"{name}: daemon CPU {_fmt_thread_cpu(cpu)}; "
+            say(f"{name}: daemon CPU {_fmt_thread_cpu(cpu)}{per_file}; "
                 f"{core.get('reads', 0)} read requests, {core.get('read_waits', 0)} waited for data; "
                 f"GET buffers reused {st.get('buffers_reused', 0)}, discarded {st.get('buffers_discarded', 0)}")
 
@@ -1518,8 +1519,10 @@ class Bench:
         with self._mount("small-serial") as m:
             src = self._vol(m, "data") / self.lay.small_dir
             r0 = m.requests()
+            cpu0 = m.thread_cpu()
             dt, _ = _run_timed(["cp", "-r", str(src), str(dest)], "mount.small_serial", mount=m)
             req = _request_delta(r0, m.requests())
+            self._note_daemon(m, "mount.small_serial", cpu0, files=self.o.small_files)
         n = self._check_copies(dest, "mount.small_serial")
         self.leftovers.add(dest)
         rate = n / dt
@@ -1537,6 +1540,7 @@ class Bench:
         with self._mount("small-parallel") as m:
             src = self._vol(m, "data") / self.lay.small_dir
             r0 = m.requests()
+            cpu0 = m.thread_cpu()
             t0 = time.monotonic()
             names = os.listdir(src)  # the listing is part of the job, as in `ls | xargs cp`
             paths = b"\0".join(os.fsencode(src / name) for name in names)
@@ -1544,6 +1548,7 @@ class Bench:
                                    str(dest)], "mount.small_parallel", input=paths, mount=m)
             dt = time.monotonic() - t0
             req = _request_delta(r0, m.requests())
+            self._note_daemon(m, "mount.small_parallel", cpu0, files=len(names))
         n = self._check_copies(dest, "mount.small_parallel", verify=3)
         self.leftovers.add(dest)
         rate = n / dt
