@@ -334,6 +334,10 @@ class Staged:
     backing_id: int | None = None
     pt_handles: int = 0
     pt_writers: int = 0
+    # Of those writers, the ones that may write below the file's end: all but the append-only
+    # (O_WRONLY | O_APPEND: every write lands at the end, and with no read access the file cannot
+    # be mapped and written through memory either).
+    pt_rewriters: int = 0
     pt_written: bool = False
     seen_mtime_ns: int = 0
     filled: int = 0  # the staging file has no hole below this offset (`_probe_appends`)
@@ -658,13 +662,15 @@ class Committer:
         if short:
             raise errors.fs_error(errors.ENOSPC, "no space left for staging writes")
 
-    async def stage(self, node: Inode, *, truncate: bool) -> Staged:
-        """The inode's staging file, made if needed (a copy of the object unless truncating)."""
+    async def stage(self, node: Inode, *, truncate: bool, append_only: bool = False) -> Staged:
+        """The inode's staging file, made if needed (a copy of the object unless truncating).
+        `append_only`: opened O_WRONLY | O_APPEND, so its writes cannot change what an earlier close
+        left (see `keep_closed_version`)."""
         if node.staged is not None:
             s = node.staged
             s.opening += 1
             try:
-                await self.keep_closed_version(s, truncate=truncate)
+                await self.keep_closed_version(s, truncate=truncate, append_only=append_only)
                 if truncate and s.size:
                     # Pinned: a commit finishing meanwhile must not retire it under the truncate. The
                     # caller takes a handle before its next await.
@@ -694,7 +700,7 @@ class Committer:
         self.staged[node.ino] = s
         return s
 
-    async def keep_closed_version(self, s: Staged, *, truncate: bool) -> None:
+    async def keep_closed_version(self, s: Staged, *, truncate: bool, append_only: bool = False) -> None:
         """s is about to be written again (an open for writing, a truncating open). If a close of it
         is still waiting for its commit, its journal row names the staging file that is about to
         change: a crash during the new write would then publish bytes nobody closed, in place of the
@@ -703,6 +709,11 @@ class Committer:
         is pointed at it, and it is committed from there (`_commit_kept`) unless a later close or
         commit supersedes it. A truncating open with no handle open takes the file itself for the
         kept version and starts an empty one; otherwise the closed bytes are copied.
+
+        Not for an append-only open (`append_only`, never truncating): its writes land past the
+        closed version's end, which costs nothing (`_changes_closed`; a replay cuts the staging
+        file back to the recorded size). A log opened, appended to and closed again at every step
+        used to copy the whole file aside at every open while its last close waited to be sent.
 
         s stays pinned throughout: a commit finishing meanwhile must not retire it under the open,
         which takes its handle as soon as this returns."""
@@ -715,7 +726,8 @@ class Committer:
                     await run_disk(os.rename, s.path, path)
                     self.journal.note_new_file(path.name)
                     s.path = path
-            await self._keep_closed_version(s, truncate=truncate)
+            if not append_only:
+                await self._keep_closed_version(s, truncate=truncate)
         except BaseException:
             self.unpin(s)
             raise
@@ -881,11 +893,12 @@ class Committer:
         self._maybe_stream(s)
 
     # -- passthrough ----------------------------------------------------------------------------
-    def passthrough_opened(self, s: Staged, writable: bool) -> None:
+    def passthrough_opened(self, s: Staged, writable: bool, append_only: bool = False) -> None:
         s.pt_handles += 1
         if not writable:
             return
         s.pt_writers += 1
+        s.pt_rewriters += not append_only
         s.pt_written = True
         s.generation += 1  # it may change from now on without our seeing it
         if s.stream is not None:
@@ -897,11 +910,12 @@ class Committer:
             self._watching = True
             self._nursery.start_soon(self._watch_passthrough)
 
-    def passthrough_closed(self, s: Staged, writable: bool) -> None:
+    def passthrough_closed(self, s: Staged, writable: bool, append_only: bool = False) -> None:
         s.pt_handles -= 1
         if writable:
             self.observe(s)  # the last bytes it wrote, before the release commits them
             s.pt_writers -= 1
+            s.pt_rewriters -= not append_only
             if not s.pt_writers:
                 self._watched.discard(s)
 
@@ -1098,10 +1112,10 @@ class Committer:
             self.unpin(s)
 
     # -- close / fsync ----------------------------------------------------------------------------
-    async def flush(self, s: Staged, *, unseen: bool = False) -> None:
+    async def flush(self, s: Staged, *, unseen: bool = False, append_only: bool = False) -> None:
         """close(): make the data durable locally and record it. Reports a permanent failure of an
         earlier commit of this file. `unseen`: closed by a passthrough writer, whose writes we did
-        not see; the file counts as changed.
+        not see; the file counts as changed. `append_only`: that writer's handle is append-only.
 
         The commit is queued when the last writer lets go (release), not here: FUSE flushes on every
         close() of every descriptor, and a shell's `> file` closes a dup of the file before writing to
@@ -1148,10 +1162,11 @@ class Committer:
                     s.error = None  # new data: try again
                 if s.writers == 0:
                     self._enqueue(s, settle=True)
-        if s.pt_writers > (1 if unseen else 0):
+        if s.pt_rewriters > (1 if unseen and not append_only else 0):
             # Other passthrough writers hold it open, and what they write we do not see: the closed
             # version cannot be kept only when they write below its end (`_changes_closed`), so
-            # it is kept aside now, a copy of the staging file as this close left it.
+            # it is kept aside now, a copy of the staging file as this close left it. (Append-only
+            # writers cannot write there: several processes appending to one log copy nothing.)
             await self.keep_closed_version(s, truncate=False)
         if s.error is not None:
             raise s.error
@@ -1329,6 +1344,18 @@ class Committer:
     async def _worker(self) -> None:
         while True:
             s = await self._next()
+            if (s.kept is None and s.writers > 0 and not s.fsync_waiters and self._closed_here(s)
+                    and (s.generation > s.flushed_generation or s.pt_writers)):
+                # Opened again by append-only writers only (any other open keeps the closed
+                # version aside itself), and still open now that this close's turn has come: keep
+                # its version aside now, once, and commit that, rather than wait for them to let
+                # go - a log held open for hours would otherwise hold back what was closed before.
+                # (Before the commit lock: a flush takes its own lock, then the commit lock.)
+                try:
+                    await self.keep_closed_version(s, truncate=False)
+                except OSError as e:
+                    self._failed(s, errors.StoreError(e.errno or errors.EIO, str(e), transient=True))
+                    continue
             async with s.commit_lock:
                 await self._take(s)
             # Also when it found nothing to do: a commit by fsync() that ended while this worker

@@ -127,6 +127,7 @@ class FileHandle:
     # short of what it was asked for are ESTALE only if the file shrank since (see `read`).
     sized_at: float = field(default_factory=time.monotonic)
     passthrough: bool = False  # the kernel reads and writes its staging file itself (ucfs.passthrough)
+    append_only: bool = False  # opened O_WRONLY | O_APPEND (`_append_only`)
 
 
 class Core:
@@ -755,8 +756,9 @@ class Core:
             if node.staged is None and not node.attrs_fresh() and not node.deleted:
                 await self._revalidate(node)
                 self._refuse_superseded(node)
-            staged = await self.committer.stage(node, truncate=bool(flags & os.O_TRUNC))
-            return self._staged_handle(node, staged, writable), False
+            staged = await self.committer.stage(node, truncate=bool(flags & os.O_TRUNC),
+                                                append_only=_append_only(flags))
+            return self._staged_handle(node, staged, writable, append_only=_append_only(flags)), False
         if node.staged is not None:
             return self._staged_handle(node, node.staged, False), False
         if not node.attrs_fresh() and not node.deleted:
@@ -768,16 +770,16 @@ class Core:
                 return self._staged_handle(node, node.staged, False), False
         return self.open_version(node)
 
-    def _staged_handle(self, node: Inode, staged, writable: bool) -> int:
+    def _staged_handle(self, node: Inode, staged, writable: bool, *, append_only: bool = False) -> int:
         passthrough = self._may_passthrough(node, staged)
         staged.handles += 1
         if writable:
             staged.writers += 1
-        h = FileHandle(node, None, staged.size, writable=writable, staged=staged)
+        h = FileHandle(node, None, staged.size, writable=writable, staged=staged, append_only=append_only)
         fh = self._new_handle(h)
         if passthrough and self.passthrough.grant(fh, staged.backing_id):
             h.passthrough = True
-            self.committer.passthrough_opened(staged, writable)
+            self.committer.passthrough_opened(staged, writable, append_only)
             self.stats["passthrough_opens"] += 1
         return fh
 
@@ -896,7 +898,7 @@ class Core:
         try:
             if h.staged is not None:
                 if h.passthrough:
-                    self.committer.passthrough_closed(h.staged, h.writable)
+                    self.committer.passthrough_closed(h.staged, h.writable, h.append_only)
                 await self.committer.release(h)
         finally:
             if h.reader is not None:
@@ -936,7 +938,8 @@ class Core:
             if existing.kind.is_dir:
                 raise errors.fs_error(errors.EISDIR)
             node = existing
-            staged = await self.committer.stage(node, truncate=bool(flags & os.O_TRUNC))
+            staged = await self.committer.stage(node, truncate=bool(flags & os.O_TRUNC),
+                                                append_only=_append_only(flags))
         else:
             node = self.inodes.add_child(parent, name, Kind.FILE, parent.volume)
             node.size, node.etag, node.mtime_ns = 0, "", time.time_ns()
@@ -953,7 +956,8 @@ class Core:
         node.deleted = False
         node.lookups += 1
         self.note_changed(node)
-        fh = self._staged_handle(node, staged, (flags & os.O_ACCMODE) != os.O_RDONLY)
+        fh = self._staged_handle(node, staged, (flags & os.O_ACCMODE) != os.O_RDONLY,
+                                 append_only=_append_only(flags))
         self.stats["creates"] += 1
         return fh, self.attributes(node)
 
@@ -970,7 +974,7 @@ class Core:
         if s is None:
             return
         if h.writable or s.writers == 0:
-            await self.committer.flush(s, unseen=h.passthrough and h.writable)
+            await self.committer.flush(s, unseen=h.passthrough and h.writable, append_only=h.append_only)
         elif s.error is not None:
             # A reader's close while a writer still writes records nothing: recording would make
             # the half-written content the file's closed version (published after a crash). It
@@ -1560,6 +1564,12 @@ class Core:
         if self.passthrough is not None:
             out["passthrough"] = self.passthrough.statistics()
         return out
+
+
+def _append_only(flags: int) -> bool:
+    """Opened so that every write lands at the end: O_WRONLY | O_APPEND, not truncating. (With read
+    access the file could be mapped and written through memory, past the daemon in passthrough.)"""
+    return flags & os.O_ACCMODE == os.O_WRONLY and bool(flags & os.O_APPEND) and not flags & os.O_TRUNC
 
 
 def _usable_name(name: str, key: str) -> bool:

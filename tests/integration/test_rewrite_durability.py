@@ -236,3 +236,44 @@ def test_with_no_crash_the_other_writers_close_supersedes(mount_factory, s3, buc
     want = V1[:10] + b"B-EDIT" + V1[16:] + b"B-LINE"
     assert obj(s3, bucket, f"{prefix}/vol/log.txt") == want
     assert (v / "log.txt").read_bytes() == want
+
+
+@pytest.mark.parametrize("pt", [(), ("--no-passthrough",)], ids=["passthrough", "no-passthrough"])
+def test_a_log_opened_for_each_line_is_not_copied_at_each_open(mount_factory, s3, bucket, prefix, pt):
+    """The training-loop logger: open with 'a', write a line, close, at every step. Each open came
+    while the last close still waited for its commit, and copied the whole file aside (49 copies of
+    4 MiB for 50 lines). An append-only open cannot change what that close left, so nothing is
+    copied; the lines all reach the store, in order."""
+    m = mount_factory(args=pt)
+    v = m.path()
+    head = os.urandom(4 << 20)
+    (v / "train.log").write_bytes(head)
+    sync_dir(v)
+    kept0 = m.status()["commits"].get("closed_versions_kept", 0)
+    lines = [f"step {i} loss {1 / (i + 1):.4f}\n".encode() for i in range(50)]
+    for line in lines:
+        with open(v / "train.log", "ab") as f:
+            f.write(line)
+        time.sleep(0.02)
+    sync_dir(v)
+    kept = m.status()["commits"].get("closed_versions_kept", 0) - kept0
+    assert kept <= 5, kept  # (only when a commit's turn comes while a line is being written)
+    assert obj(s3, bucket, f"{prefix}/vol/train.log") == head + b"".join(lines)
+
+
+@pytest.mark.parametrize("pt", [(), ("--no-passthrough",)], ids=["passthrough", "no-passthrough"])
+def test_an_appender_holding_the_file_open_does_not_hold_back_its_last_close(mount_factory, s3, bucket, prefix,
+                                                                             pt):
+    """A file closed, then opened for appending and held open (a log handler for the rest of the
+    run): the closed version is committed meanwhile, not only once the appender lets go; the
+    appender's own lines follow at its close."""
+    m = mount_factory(args=pt)
+    v = m.path()
+    (v / "metrics.jsonl").write_bytes(V1)
+    with open(v / "metrics.jsonl", "ab") as f:
+        f.write(b'{"step": 1}\n')
+        f.flush()
+        assert wait_until(lambda: f"{prefix}/vol/metrics.jsonl" in keys(s3, bucket, f"{prefix}/vol/"), 10)
+        assert obj(s3, bucket, f"{prefix}/vol/metrics.jsonl") == V1
+    sync_dir(v)
+    assert obj(s3, bucket, f"{prefix}/vol/metrics.jsonl") == V1 + b'{"step": 1}\n'
