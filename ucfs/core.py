@@ -756,9 +756,9 @@ class Core:
             if node.staged is None and not node.attrs_fresh() and not node.deleted:
                 await self._revalidate(node)
                 self._refuse_superseded(node)
-            staged = await self.committer.stage(node, truncate=bool(flags & os.O_TRUNC),
-                                                append_only=_append_only(flags))
-            return self._staged_handle(node, staged, writable, append_only=_append_only(flags)), False
+            append_only = _append_only(flags)
+            staged = await self.committer.stage(node, truncate=bool(flags & os.O_TRUNC), append_only=append_only)
+            return self._staged_handle(node, staged, writable, append_only=append_only), False
         if node.staged is not None:
             return self._staged_handle(node, node.staged, False), False
         if not node.attrs_fresh() and not node.deleted:
