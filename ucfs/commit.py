@@ -1344,8 +1344,7 @@ class Committer:
     async def _worker(self) -> None:
         while True:
             s = await self._next()
-            if (s.kept is None and s.writers > 0 and not s.fsync_waiters and self._closed_here(s)
-                    and (s.generation > s.flushed_generation or s.pt_writers)):
+            if s.kept is None and self._closed_here(s) and self._open_past_close(s):
                 # Opened again by append-only writers only (any other open keeps the closed
                 # version aside itself), and still open now that this close's turn has come: keep
                 # its version aside now, once, and commit that, rather than wait for them to let
@@ -1354,7 +1353,7 @@ class Committer:
                 try:
                     await self.keep_closed_version(s, truncate=False)
                 except OSError as e:
-                    self._failed(s, errors.StoreError(e.errno or errors.EIO, str(e), transient=True))
+                    self._failed_here(s, e)
                     continue
             async with s.commit_lock:
                 await self._take(s)
@@ -1371,8 +1370,7 @@ class Committer:
         kept = s.kept is not None
         if not kept and (not s.dirty or s.flushed_generation < 0):
             return
-        if (not kept and s.writers > 0 and not s.fsync_waiters
-                and (s.generation > s.flushed_generation or s.pt_writers)):
+        if not kept and self._open_past_close(s):
             return  # written since its last close, and still open: the last release queues it
         try:
             if kept:
@@ -1386,15 +1384,25 @@ class Committer:
         except errors.StoreError as e:
             self._failed(s, e)
         except OSError as e:
-            # This host's own trouble. A full disk (the journal's, or the cache's) passes:
-            # retried like a store's 503, not reported failed until the next fsync().
-            self._failed(s, errors.StoreError(e.errno or errors.EIO, str(e),
-                                              transient=e.errno in (errno.ENOSPC, errno.EDQUOT)))
+            self._failed_here(s, e)
         except Exception as e:  # noqa: BLE001 - a bug must not kill the worker pool
             log.exception("commit of %s failed unexpectedly", s.node.mount_path())
             self._failed(s, errors.StoreError(errors.EIO, f"unexpected: {e!r}", transient=True))
         finally:
             self._remove_superseded(s)
+
+    @staticmethod
+    def _open_past_close(s: Staged) -> bool:
+        """Still open for writing, and written since its last close (or by passthrough writers,
+        whose writes we do not see), with nobody in fsync(): what it holds now no close covers."""
+        return (s.writers > 0 and not s.fsync_waiters
+                and (s.generation > s.flushed_generation or s.pt_writers > 0))
+
+    def _failed_here(self, s: Staged, e: OSError) -> None:
+        """A commit step failed for this host's own trouble. A full disk (the journal's, or the
+        cache's) passes: retried like a store's 503, not reported failed until the next fsync()."""
+        self._failed(s, errors.StoreError(e.errno or errors.EIO, str(e),
+                                          transient=e.errno in (errno.ENOSPC, errno.EDQUOT)))
 
     def _failed(self, s: Staged, e: errors.StoreError) -> None:
         s.attempts += 1
