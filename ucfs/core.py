@@ -185,6 +185,18 @@ class Core:
             cutoff = now - REMOVED_MEMORY_S
             self._removed_at = {k: t for k, t in self._removed_at.items() if t > cutoff}
 
+    @contextlib.contextmanager
+    def _store_unheard(self, parent: Inode, name: str):
+        """While the block runs, nothing the store says of parent/name counts (lookups and
+        listings take it for removed): its object there is older than what this mount is removing
+        or replacing, until the block's DELETE or rename is done. Afterwards, as for any removal,
+        answers sent before then do not count; should the block fail, the object shows again."""
+        self._removed_at[(parent.ino, name)] = math.inf
+        try:
+            yield
+        finally:
+            self._note_removed(parent, name)
+
     def _changed_since(self, node: Inode, t: float) -> bool:
         return self._changed_at.get(node, float("-inf")) > t
 
@@ -1089,12 +1101,9 @@ class Core:
             if node.etag or replayed:  # the ETag as it is now: a commit may have finished meanwhile
                 await self._settle_journal()
                 key = node.key
-                self._removed_at[(parent.ino, name)] = math.inf
-                self._unname(parent, node)
-                try:
+                with self._store_unheard(parent, name):
+                    self._unname(parent, node)
                     await self.store_for(vol).delete(vol.bucket, key)
-                finally:
-                    self._note_removed(parent, name)  # (failed: the store's object shows again)
                 await self._keep_dir(parent)
             else:
                 await self._forget_name(parent, node)
@@ -1298,18 +1307,15 @@ class Core:
         # kernel's dentry, which stays until the rename returns, reads that last close: its staging
         # file is kept until then (dropped, never committed).
         held = target.staged if target is not None else None
-        if target is not None:
-            self._removed_at[(new_parent.ino, new_name)] = math.inf
         if held is not None:
             self.committer.pin(held)
         try:
-            if node.kind is Kind.FILE:
-                await self._rename_file(store, vol, node, target, new_parent, new_name)
-            else:
-                await self._rename_dir(store, vol, node, target, new_parent, new_name)
+            with self._store_unheard(new_parent, new_name) if target is not None else contextlib.nullcontext():
+                if node.kind is Kind.FILE:
+                    await self._rename_file(store, vol, node, target, new_parent, new_name)
+                else:
+                    await self._rename_dir(store, vol, node, target, new_parent, new_name)
         finally:
-            if target is not None:
-                self._note_removed(new_parent, new_name)
             if held is not None:
                 self.committer.unpin(held)
         if old_parent.listing is not None:
@@ -1354,13 +1360,10 @@ class Core:
         self.inodes.move(node, new_parent, new_name)
         # As for an unlink: the old name's object, if any, is older than the file's last close, and
         # until it is deleted nothing the store says of that name counts.
-        self._removed_at[(old_parent.ino, old_name)] = math.inf
-        if old_parent.listing is not None:
-            old_parent.listing.entries.pop(old_name, None)
-        try:
+        with self._store_unheard(old_parent, old_name):
+            if old_parent.listing is not None:
+                old_parent.listing.entries.pop(old_name, None)
             await self._move_staged(store, vol, node, target, old_key, old_parent, old_name, old_etag, had_remote)
-        finally:
-            self._note_removed(old_parent, old_name)
 
     async def _move_staged(self, store: AsyncStore, vol: Volume, node: Inode, target: Inode | None, old_key: str,
                            old_parent: Inode, old_name: str, old_etag: str, had_remote: bool) -> None:
