@@ -669,6 +669,11 @@ class Committer:
         if node.staged is not None:
             s = node.staged
             s.opening += 1
+            # A truncating open shrinks the file from the moment it takes the closed version aside
+            # (an empty staging file in its place) until it returns, and only then does the kernel
+            # learn the new size: reads meanwhile, and handles opened before then, may ask for bytes
+            # the file no longer has (core.read answers those ESTALE, not short).
+            s.shrinking += truncate
             try:
                 await self.keep_closed_version(s, truncate=truncate, append_only=append_only)
                 if truncate and s.size:
@@ -681,6 +686,10 @@ class Committer:
                         s.handles -= 1
             finally:
                 s.opening -= 1
+                if truncate:
+                    s.shrinking -= 1
+                    if s.high_water:
+                        s.shrunk_at = time.monotonic()
             return s
         path, fd = await self._staging_file()
         s = Staged(node, node.volume, path, fd, 0, time.time_ns())

@@ -227,3 +227,56 @@ def test_an_open_racing_an_unlink_never_reads_the_version_before_the_last_close(
         assert "pfx/f.bin" not in inner.buckets["bucket"]
 
     _run(tmp_path, body)
+
+
+def test_a_reader_opening_while_a_truncating_open_takes_the_file_aside_gets_estale_not_zeros(tmp_path,
+                                                                                               monkeypatch):
+    """v1 is closed and waiting for its commit when a writer opens the file with O_TRUNC: the open
+    takes v1's staging file aside and starts an empty one, then records that in the journal. Until
+    that open returns, the kernel still believes the file is v1's size, so a reader that opens
+    meanwhile and reads it gets a short answer, which the kernel fills with zeros: bytes of no
+    version. The soak caught that once the settling delay made such opens common. Such a read is
+    ESTALE, as for a reader racing any truncate."""
+    monkeypatch.setattr(commit_mod, "COMMIT_SETTLE_S", 30.0)
+    v1 = b"1" * 39116
+    entered, gate = trio.Event(), trio.Event()
+
+    async def body(core, committer, vol, inner):
+        fh, attrs = await core.create(vol, "f.bin", CREATE)
+        await core.write(fh, 0, v1)
+        await core.flush(fh)
+        await core.release(fh)
+        assert core.node(attrs.ino).staged.settling
+        real_restage = committer.journal.restage
+
+        async def held_restage(*args):
+            entered.set()
+            await gate.wait()
+            return await real_restage(*args)
+
+        monkeypatch.setattr(committer.journal, "restage", held_restage)
+        writer = []
+
+        async def open_truncating():
+            writer.append(await core.open(attrs.ino, os.O_WRONLY | os.O_TRUNC))
+
+        async with trio.open_nursery() as n:
+            n.start_soon(open_truncating)
+            with trio.fail_after(5):
+                await entered.wait()
+            rfh, _ = await core.open(attrs.ino, os.O_RDONLY)  # its size, to the kernel: v1's
+            with pytest.raises(OSError) as e:
+                await core.read(rfh, 0, len(v1))
+            assert e.value.errno == errno.ESTALE
+            gate.set()
+        with pytest.raises(OSError) as e:  # and after the open returned, for the handle opened before
+            await core.read(rfh, 0, len(v1))
+        assert e.value.errno == errno.ESTALE
+        await core.release(rfh)
+        (wfh, _), = writer
+        await core.write(wfh, 0, b"v2")
+        await core.flush(wfh)
+        await core.release(wfh)
+
+    inner = _run(tmp_path, body)
+    assert inner.get("bucket", "pfx/f.bin")[0] == b"v2"
