@@ -44,7 +44,7 @@ import os
 import stat
 import struct
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import xxhash
@@ -77,11 +77,14 @@ class ObjectVersion:
     bucket: str
     key: str
     etag: str
+    # Its name in the cache, worked out once: a read plans block by block and asks the cache about
+    # each block, and a SHA-256 per question was 4 % of the event loop's Python time in a cold
+    # read (py-spy).
+    digest: str = field(init=False, repr=False, compare=False)
 
-    @property
-    def digest(self) -> str:
+    def __post_init__(self) -> None:
         h = hashlib.sha256("\0".join((self.store, self.bucket, self.key, self.etag)).encode())
-        return h.hexdigest()[:40]
+        object.__setattr__(self, "digest", h.hexdigest()[:40])
 
 
 def ensure_private_dir(path: Path) -> Path:
