@@ -371,6 +371,16 @@ class Staged:
         self.progress.set()
         self.progress = trio.Event()
 
+    @contextlib.contextmanager
+    def shrinking_if(self, shrinks: bool):
+        """While the block runs, the file may be shorter than the kernel believes: reads running
+        meanwhile must know it at once (core.read answers them ESTALE, not short)."""
+        self.shrinking += shrinks
+        try:
+            yield
+        finally:
+            self.shrinking -= shrinks
+
 
 class Committer:
     def __init__(self, state_dir: Path, core: "Core", cfg: MountConfig, *, workers: int = 64):
@@ -669,27 +679,25 @@ class Committer:
         if node.staged is not None:
             s = node.staged
             s.opening += 1
-            # A truncating open shrinks the file from the moment it takes the closed version aside
-            # (an empty staging file in its place) until it returns, and only then does the kernel
-            # learn the new size: reads meanwhile, and handles opened before then, may ask for bytes
-            # the file no longer has (core.read answers those ESTALE, not short).
-            s.shrinking += truncate
             try:
-                await self.keep_closed_version(s, truncate=truncate, append_only=append_only)
-                if truncate and s.size:
-                    # Pinned: a commit finishing meanwhile must not retire it under the truncate. The
-                    # caller takes a handle before its next await.
-                    s.handles += 1
-                    try:
-                        await self.truncate(s, 0)
-                    finally:
-                        s.handles -= 1
+                # A truncating open shrinks the file from the moment it takes the closed version
+                # aside (an empty staging file in its place) until it returns, and only then does the
+                # kernel learn the new size: reads meanwhile, and handles opened before then, may ask
+                # for bytes the file no longer has.
+                with s.shrinking_if(truncate):
+                    await self.keep_closed_version(s, truncate=truncate, append_only=append_only)
+                    if truncate and s.size:
+                        # Pinned: a commit finishing meanwhile must not retire it under the truncate.
+                        # The caller takes a handle before its next await.
+                        s.handles += 1
+                        try:
+                            await self.truncate(s, 0)
+                        finally:
+                            s.handles -= 1
             finally:
                 s.opening -= 1
-                if truncate:
-                    s.shrinking -= 1
-                    if s.high_water:
-                        s.shrunk_at = time.monotonic()
+                if truncate and s.high_water:
+                    s.shrunk_at = time.monotonic()
             return s
         path, fd = await self._staging_file()
         s = Staged(node, node.volume, path, fd, 0, time.time_ns())
@@ -1088,16 +1096,13 @@ class Committer:
                 self.observe(s)
             s.high_water = max(s.high_water, s.size, size)
             shrinks = size < s.size
-            s.shrinking += shrinks  # reads running meanwhile must know at once (core.read)
-            try:
-                # Not when the size stays: on ext4, truncating a file to 0 (as the O_TRUNC of a new
-                # file does) makes its last close start writeback of everything written meanwhile
-                # (auto_da_alloc), so a committed staging file would still be written to the disk
-                # before it could be removed.
-                if size != s.size:
+            # Not when the size stays: on ext4, truncating a file to 0 (as the O_TRUNC of a new file
+            # does) makes its last close start writeback of everything written meanwhile
+            # (auto_da_alloc), so a committed staging file would still be written to the disk before
+            # it could be removed.
+            if size != s.size:
+                with s.shrinking_if(shrinks):
                     await run_disk(os.ftruncate, s.fd, size)
-            finally:
-                s.shrinking -= shrinks
             s.filled = min(s.filled, size)
             if shrinks:
                 s.appends_only = False
