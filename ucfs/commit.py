@@ -345,6 +345,9 @@ class Staged:
     next_look: float = 0.0
     created_at: float = field(default_factory=time.time)
     kept: _Kept | None = None  # the closed version waiting for its commit while this is written again
+    # committed_generation when a commit's turn last found append-only writers open and gave them
+    # one more settle to close rather than keep the closed version aside (`Committer._worker`).
+    appenders_awaited_at: int = -2
     # Kept versions superseded while a commit held the lock (it may be reading one): whoever holds
     # the lock removes them when done (`_remove_superseded`).
     superseded: list[_Kept] = field(default_factory=list)
@@ -1364,6 +1367,8 @@ class Committer:
                 # its version aside now, once, and commit that, rather than wait for them to let
                 # go - a log held open for hours would otherwise hold back what was closed before.
                 # (Before the commit lock: a flush takes its own lock, then the commit lock.)
+                if self._await_appenders(s):
+                    continue
                 try:
                     await self.keep_closed_version(s, truncate=False)
                 except OSError as e:
@@ -1404,6 +1409,19 @@ class Committer:
             self._failed(s, errors.StoreError(errors.EIO, f"unexpected: {e!r}", transient=True))
         finally:
             self._remove_superseded(s)
+
+    def _await_appenders(self, s: Staged) -> bool:
+        """A commit's turn found append-only writers open past the last close: give them one more
+        COMMIT_SETTLE_S to close, once per commit, and say whether it did. A logger that opens the
+        file for every line holds it open for a moment only: under load the turn of each close often
+        came while the next line was being written, and each time the whole file was copied aside
+        (3-9 copies of 4 MiB in 50 lines). Once they close, that close is committed, every line in
+        it; a writer still open at the next turn (a log held open for hours) gets its copy then."""
+        if s.appenders_awaited_at == s.committed_generation:
+            return False
+        s.appenders_awaited_at = s.committed_generation
+        self._enqueue(s, settle=True)  # queued at once where no settle applies: that turn copies
+        return True
 
     @staticmethod
     def _open_past_close(s: Staged) -> bool:

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from tests.support import keys, obj, sync_dir, wait_until
+from ucfs.commit import COMMIT_SETTLE_S
 
 V1 = b"A" * 200_000
 
@@ -259,6 +260,29 @@ def test_a_log_opened_for_each_line_is_not_copied_at_each_open(mount_factory, s3
     kept = m.status()["commits"].get("closed_versions_kept", 0) - kept0
     assert kept <= 5, kept  # (only when a commit's turn comes while a line is being written)
     assert obj(s3, bucket, f"{prefix}/vol/train.log") == head + b"".join(lines)
+
+
+@pytest.mark.parametrize("pt", [(), ("--no-passthrough",)], ids=["passthrough", "no-passthrough"])
+def test_a_commit_due_while_a_line_is_written_waits_for_it_rather_than_copy_the_file(
+        mount_factory, s3, bucket, prefix, pt):
+    """The logger again, its commit coming due while the next line is being written (the moment a
+    loaded host makes likely): the commit gives that writer a moment to close, then sends both
+    lines together. Before, it copied the whole file aside at once, to send the first line alone."""
+    m = mount_factory(args=pt)
+    v = m.path()
+    head = os.urandom(1 << 20)
+    (v / "train.log").write_bytes(head)
+    sync_dir(v)
+    kept0 = m.status()["commits"].get("closed_versions_kept", 0)
+    with open(v / "train.log", "ab") as f:
+        f.write(b"step 1\n")  # its close is committed once COMMIT_SETTLE_S has passed
+    with open(v / "train.log", "ab") as f:
+        f.write(b"step 2\n")
+        f.flush()
+        time.sleep(COMMIT_SETTLE_S * 1.4)  # that turn comes meanwhile; this close comes within one more
+    sync_dir(v)
+    assert m.status()["commits"].get("closed_versions_kept", 0) - kept0 == 0
+    assert obj(s3, bucket, f"{prefix}/vol/train.log") == head + b"step 1\nstep 2\n"
 
 
 @pytest.mark.parametrize("pt", [(), ("--no-passthrough",)], ids=["passthrough", "no-passthrough"])
