@@ -20,7 +20,7 @@
  * Any other message on any other descriptor passes through untouched, and a kernel that does not
  * offer passthrough is never told about it: the mount then works as it always did.
  *
- * Two more things ride on the same hooks, for reads:
+ * Three more things ride on the same hooks, for reads:
  *   - larger read requests. libfuse asks the kernel for requests of up to 1 MiB (max_pages 256,
  *     sized for its own receive buffer, which only writes fill). A read request is small and its
  *     answer is written by us, so the INIT reply may ask for more (install's max_pages); the kernel
@@ -31,6 +31,10 @@
  *     writes the reply with the stand-in as its data, the pieces go out in its place. The stand-in
  *     is address space that cannot be read (PROT_NONE): a reply that somehow carried it anyway
  *     fails with EFAULT instead of sending bytes that are not the file's.
+ *   - no FLUSH at close. A handle that reads what the store holds has nothing to do when its file
+ *     is closed, yet the kernel sends a FLUSH for every close() and the closing process waits for
+ *     the answer. Python marks such a handle (grant(fh, NO_BACKING)) and its OPEN reply gets
+ *     FOPEN_NOFLUSH (a kernel that predates the flag ignores it and flushes as before).
  */
 #define PY_SSIZE_T_CLEAN
 #define _GNU_SOURCE
@@ -53,6 +57,7 @@ enum { OP_OPEN = 14, OP_INIT = 26, OP_CREATE = 35 };
 #define INIT_MAX_PAGES (1u << 22)     /* flags: FUSE_MAX_PAGES, max_pages is meaningful */
 #define FOPEN_NOFLUSH (1u << 5)
 #define FOPEN_PASSTHROUGH (1u << 7)
+#define NO_BACKING (-1) /* a grant of FOPEN_NOFLUSH alone, for a handle not in passthrough mode */
 
 struct in_header {
     uint32_t len, opcode;
@@ -97,7 +102,7 @@ static uint64_t pending[PENDING_MAX];
 static int npending;
 static struct { uint64_t fh; int32_t backing_id; } grants[GRANTS_MAX];
 static int ngrants;
-static unsigned long long n_patched_opens, n_requests;
+static unsigned long long n_patched_opens, n_noflush_opens, n_requests;
 static unsigned want_max_pages;  /* ask for read requests of this many pages (0: as libfuse asks) */
 static unsigned asked_max_pages; /* what our INIT reply asked for */
 
@@ -129,7 +134,7 @@ static void note_request(const void *buf, ssize_t n)
         init_seen = 1;
         offered = (in.flags & INIT_EXT) && (in.flags2 & INIT2_PASSTHROUGH);
         pthread_mutex_unlock(&mu);
-    } else if ((h.opcode == OP_OPEN || h.opcode == OP_CREATE) && negotiated) {
+    } else if (h.opcode == OP_OPEN || h.opcode == OP_CREATE) {
         pthread_mutex_lock(&mu);
         if (npending < PENDING_MAX)
             pending[npending++] = h.unique;
@@ -263,7 +268,14 @@ static ssize_t wire_writev(int fd, const struct iovec *iov, int iovcnt)
         memcpy(copy, iov[1].iov_base, arglen);
         memcpy(&out, copy + arglen - sizeof out, sizeof out);
         int32_t id;
-        if (take_grant(out.fh, &id)) {
+        if (!take_grant(out.fh, &id)) {
+            /* an ordinary open */
+        } else if (id == NO_BACKING) {
+            out.open_flags |= FOPEN_NOFLUSH;
+            memcpy(copy + arglen - sizeof out, &out, sizeof out);
+            n_noflush_opens++;
+            patch = 1;
+        } else if (negotiated) {
             /* The kernel refuses passthrough beside any caching flag (pyfuse3 sets keep_cache by
              * default), and beside direct_io it would still send reads and writes here. */
             out.open_flags = (out.open_flags & FOPEN_NOFLUSH) | FOPEN_PASSTHROUGH;
@@ -497,8 +509,9 @@ static PyObject *py_statistics(PyObject *self, PyObject *unused)
 {
     (void)self, (void)unused;
     pthread_mutex_lock(&mu);
-    PyObject *d = Py_BuildValue("{s:O,s:O,s:K,s:K,s:i,s:i,s:I,s:K}", "offered", offered ? Py_True : Py_False,
+    PyObject *d = Py_BuildValue("{s:O,s:O,s:K,s:K,s:K,s:i,s:i,s:I,s:K}", "offered", offered ? Py_True : Py_False,
                                 "negotiated", negotiated ? Py_True : Py_False, "opens", n_patched_opens,
+                                "noflush_opens", n_noflush_opens,
                                 "requests", n_requests, "grants_waiting", ngrants,
                                 "opens_awaiting_reply", npending, "max_pages_asked", asked_max_pages,
                                 "vectored_replies", n_vectored);
@@ -516,7 +529,8 @@ static PyMethodDef methods[] = {
     {"offered", py_offered, METH_NOARGS, "Whether the kernel's INIT offered passthrough."},
     {"negotiated", py_negotiated, METH_NOARGS, "Whether the INIT reply accepted passthrough."},
     {"grant", py_grant, METH_VARARGS,
-     "grant(fh, backing_id): the reply to the OPEN/CREATE returning fh opens it in passthrough mode."},
+     "grant(fh, backing_id): the reply to the OPEN/CREATE returning fh opens it in passthrough mode; "
+     "with backing_id -1, it asks the kernel to send no FLUSH when the handle is closed."},
     {"revoke", py_revoke, METH_VARARGS, "revoke(fh): forget a grant whose reply never went out."},
     {"statistics", py_statistics, METH_NOARGS, "Counters, for `ucfs status`."},
     {NULL, NULL, 0, NULL},

@@ -44,6 +44,7 @@ else:
 FUSE_DEV_IOC_BACKING_OPEN = 0x4010E501
 FUSE_DEV_IOC_BACKING_CLOSE = 0x4004E502
 PAGE_BYTES = 4096  # the unit of FUSE's max_pages
+NO_BACKING = -1  # a grant of FOPEN_NOFLUSH alone (ucfs._fusewire)
 
 
 def fuse_device_fd() -> int | None:
@@ -124,6 +125,12 @@ class Passthrough:
     def grant(fh: int, backing_id: int) -> bool:
         """The reply to the open that returns fh opens it in passthrough mode."""
         return _fusewire.grant(fh, backing_id)
+
+    def skip_flush(self, fh: int) -> None:
+        """The reply to the open that returns fh asks the kernel to send no FLUSH when the handle
+        is closed (FOPEN_NOFLUSH): for handles whose close has nothing to do. Only once `hooked`."""
+        if self.hooked:
+            _fusewire.grant(fh, NO_BACKING)
 
     @staticmethod
     def vector_reply(pieces: tuple) -> memoryview:

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.support import wait_until
+from tests.support import obj, sync_dir, wait_until
 
 MiB = 1 << 20
 
@@ -125,6 +125,29 @@ def test_dd_and_cp_copy_byte_for_byte(mount, s3, bucket, prefix, tmp_path):
     out = subprocess.run(["dd", f"if={mount.path() / 'd' / 'x.bin'}", "bs=1M", "status=none"],
                          capture_output=True, check=True).stdout
     assert out == data
+
+
+@pytest.mark.parametrize("pt", [(), ("--no-passthrough",)], ids=["passthrough", "no-passthrough"])
+def test_closing_a_file_read_from_the_store_costs_no_round_trip(mount_factory, s3, bucket, prefix, pt):
+    """cp, cat and a data loader close every file they read. Such a close has nothing to do in the
+    daemon, so the kernel is told not to ask (FOPEN_NOFLUSH): 200 files read and closed, 50 of them
+    again by cat, and no FLUSH request. A written file's close still reaches the daemon, which
+    commits it."""
+    base = f"{prefix}/vol/small/"
+    put_many(s3, bucket, {f"{base}{i:03d}.bin": os.urandom(1000 + i) for i in range(200)})
+    mount = mount_factory(args=pt)
+    v = mount.path() / "small"
+    before = mount.status()["core"].get("flushes", 0)
+    for i in range(200):
+        assert len((v / f"{i:03d}.bin").read_bytes()) == 1000 + i
+    subprocess.run(["cat", *sorted(map(str, v.iterdir()))[:50]], check=True, stdout=subprocess.DEVNULL)
+    st = mount.status()
+    assert st["core"].get("flushes", 0) == before
+    assert st["passthrough"]["noflush_opens"] >= 250 and st["passthrough"]["grants_waiting"] == 0
+    (v / "new.bin").write_bytes(b"written")
+    assert mount.status()["core"].get("flushes", 0) > before
+    sync_dir(v)
+    assert obj(s3, bucket, f"{base}new.bin") == b"written"
 
 
 def test_a_file_opened_as_soon_as_the_mount_is_ready_is_read_in_large_requests(mount_factory, s3, bucket,
