@@ -149,7 +149,12 @@ class BlockCache:
         self._stats: collections.Counter[str] = collections.Counter()
         self._direct = hasattr(os, "O_DIRECT")
         self._tls = threading.local()
-        self._tmp_ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 20)
+        # Segments are written under a temporary name first. Ours start with a prefix of this
+        # instance's own: a listing removes leftovers of writers that died, never a segment another
+        # of our threads is writing (a read's disk thread listing a subdirectory for the first time,
+        # or the background scan, used to delete one now and then, and its rename then failed).
+        self._tmp_prefix = f".tmp{os.urandom(6).hex()}."
+        self._tmp_ids = itertools.count()
         # Free space is looked up again after this many bytes were written (statvfs per write is waste).
         self._free_checked_at = 0
         self._free_cached = 0
@@ -174,7 +179,7 @@ class BlockCache:
     # -- lazily loaded index --------------------------------------------------------------------
     def _list_subdir(self, sub: str) -> list[tuple[int, str, int]]:
         """(mtime, segment name, disk bytes) of the segments in one subdirectory; removes leftovers
-        of writers that died before their rename."""
+        of writers that died before their rename (other instances' temporary files)."""
         found = []
         try:
             entries = list(os.scandir(self.root / sub))
@@ -185,10 +190,11 @@ class BlockCache:
             return found
         for e in entries:
             if e.name.startswith(".tmp"):
-                try:
-                    os.unlink(e.path)
-                except OSError:
-                    pass
+                if not e.name.startswith(self._tmp_prefix):
+                    try:
+                        os.unlink(e.path)
+                    except OSError:
+                        pass
                 continue
             if _parse_name(sub + e.name) is None:  # 38 digits here, the directory has the first two
                 continue
@@ -358,7 +364,7 @@ class BlockCache:
         header = _HEADER.pack(_MAGIC, B, len(data), first, count, bytes.fromhex(d[:32])) + \
             struct.pack(f"<{count}Q", *sums)
         path = self._path(name)
-        tmp = path.parent / f".tmp{next(self._tmp_ids)}"
+        tmp = path.parent / f"{self._tmp_prefix}{next(self._tmp_ids)}"
         try:
             path.parent.mkdir(exist_ok=True, mode=0o700)
             self._write_file(tmp, header, view, backing)

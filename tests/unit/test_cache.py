@@ -163,6 +163,24 @@ def test_half_written_segments_are_removed_by_the_scan(tmp_path):
     assert not (sub / ".tmp12345").exists()
 
 
+def test_a_listing_while_a_segment_is_written_leaves_that_segment_alone(tmp_path):
+    """The first lookup in a subdirectory lists it, and so does the background scan; a segment
+    another thread was writing there under its temporary name was deleted as a dead writer's
+    leftover, and its rename failed."""
+    c = make(tmp_path)
+    write_file = c._write_file
+
+    def listed_meanwhile(path, *args):
+        write_file(path, *args)
+        c._list_subdir(path.parent.name)  # another thread's first look at this subdirectory
+
+    c._write_file = listed_meanwhile
+    data = os.urandom(MiB + 5)
+    assert c.put_blocks(v(), 0, data)
+    assert c.get_block(v(), 1) == data[MiB:]
+    assert c.statistics().get("write_errors", 0) == 0
+
+
 def test_refuses_a_directory_others_can_write(tmp_path):
     d = tmp_path / "shared"
     d.mkdir()
