@@ -21,6 +21,21 @@ from ucfs.commit import COMMIT_SETTLE_S
 V1 = b"A" * 200_000
 
 
+def logged_mount(mount_factory, pt, head_bytes: int):
+    """A mount whose train.log holds head_bytes of committed data: (mount, volume path, the data)."""
+    m = mount_factory(args=pt)
+    v = m.path()
+    head = os.urandom(head_bytes)
+    (v / "train.log").write_bytes(head)
+    sync_dir(v)
+    return m, v, head
+
+
+def kept_versions(m) -> int:
+    """How many closed versions the mount has copied aside so far."""
+    return m.status()["commits"].get("closed_versions_kept", 0)
+
+
 def proxied(mount_factory, fault_proxy, *args):
     return mount_factory(args=("--store-timeout", "2", *args), endpoint=fault_proxy.endpoint)
 
@@ -245,19 +260,15 @@ def test_a_log_opened_for_each_line_is_not_copied_at_each_open(mount_factory, s3
     while the last close still waited for its commit, and copied the whole file aside (49 copies of
     4 MiB for 50 lines). An append-only open cannot change what that close left, so nothing is
     copied; the lines all reach the store, in order."""
-    m = mount_factory(args=pt)
-    v = m.path()
-    head = os.urandom(4 << 20)
-    (v / "train.log").write_bytes(head)
-    sync_dir(v)
-    kept0 = m.status()["commits"].get("closed_versions_kept", 0)
+    m, v, head = logged_mount(mount_factory, pt, 4 << 20)
+    kept0 = kept_versions(m)
     lines = [f"step {i} loss {1 / (i + 1):.4f}\n".encode() for i in range(50)]
     for line in lines:
         with open(v / "train.log", "ab") as f:
             f.write(line)
         time.sleep(0.02)
     sync_dir(v)
-    kept = m.status()["commits"].get("closed_versions_kept", 0) - kept0
+    kept = kept_versions(m) - kept0
     assert kept <= 5, kept  # (only when a commit's turn comes while a line is being written)
     assert obj(s3, bucket, f"{prefix}/vol/train.log") == head + b"".join(lines)
 
@@ -268,12 +279,8 @@ def test_a_commit_due_while_a_line_is_written_waits_for_it_rather_than_copy_the_
     """The logger again, its commit coming due while the next line is being written (the moment a
     loaded host makes likely): the commit gives that writer a moment to close, then sends both
     lines together. Before, it copied the whole file aside at once, to send the first line alone."""
-    m = mount_factory(args=pt)
-    v = m.path()
-    head = os.urandom(1 << 20)
-    (v / "train.log").write_bytes(head)
-    sync_dir(v)
-    kept0 = m.status()["commits"].get("closed_versions_kept", 0)
+    m, v, head = logged_mount(mount_factory, pt, 1 << 20)
+    kept0 = kept_versions(m)
     with open(v / "train.log", "ab") as f:
         f.write(b"step 1\n")  # its close is committed once COMMIT_SETTLE_S has passed
     with open(v / "train.log", "ab") as f:
@@ -281,7 +288,7 @@ def test_a_commit_due_while_a_line_is_written_waits_for_it_rather_than_copy_the_
         f.flush()
         time.sleep(COMMIT_SETTLE_S * 1.4)  # that turn comes meanwhile; this close comes within one more
     sync_dir(v)
-    assert m.status()["commits"].get("closed_versions_kept", 0) - kept0 == 0
+    assert kept_versions(m) - kept0 == 0
     assert obj(s3, bucket, f"{prefix}/vol/train.log") == head + b"step 1\nstep 2\n"
 
 
