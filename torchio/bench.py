@@ -49,7 +49,6 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ucfs.bench import Leftovers
 from ucfs.config import MiB, parse_size
 
 log = logging.getLogger(__name__)
@@ -470,7 +469,6 @@ class Bench:
         self.a = args
         self.figures: list[Figure] = []
         self.stack = contextlib.ExitStack()
-        self.leftovers = Leftovers()  # removed when the run ends (see ucfs.bench.Leftovers)
         self.work = Path(args.work_dir or tempfile.mkdtemp(prefix="torchio-bench-")).absolute()
         self.data_prefix = f"{args.prefix.strip('/')}/files-{args.files}x{args.file_size}"
         self.scratch_prefix = f"{args.prefix.strip('/')}/scratch-{uuid.uuid4().hex[:8]}"
@@ -479,13 +477,19 @@ class Bench:
         with self.stack:
             if not self.a.work_dir:
                 self.stack.callback(shutil.rmtree, self.work, True)
-            self.stack.callback(self.leftovers.remove_all)  # before the work dir (callbacks run LIFO)
             self.work.mkdir(parents=True, exist_ok=True)
             if self.a.path:
                 self._loaders_on_path(self.a.path)
             else:
                 self._full()
         return self.figures
+
+    def _leave(self, path: Path) -> None:
+        """Remove a directory a phase leaves behind (a mount's cache, the loader's cache) when the
+        run ends, not before the next phase: on ext4 without a journal, thousands of files deleted
+        just before a phase slow every file it creates (see ucfs.bench.Leftovers). Before the work
+        directory goes: the stack's callbacks run last in, first out."""
+        self.stack.callback(shutil.rmtree, path, True)
 
     # -- over an existing mount -------------------------------------------------------------------
     def _loaders_on_path(self, root: str) -> None:
@@ -555,11 +559,11 @@ class Bench:
     def _loaders(self, catalog: Path, env: dict) -> None:
         a = self.a
         say(f"plain DataLoader over the mounted paths, fresh mount ({a.files} files, {a.workers} workers)")
-        with Mount(self.work, "plain", catalog, env, self.leftovers.add) as m:
+        with Mount(self.work, "plain", catalog, env, self._leave) as m:
             plain = measure_plain(str(m.volume()), a.workers, a.batch_size)
         say(f"plain: epoch 1 {plain[0]:.2f} s, epoch 2 {plain[1]:.2f} s")
         say("UCVolumeDataset + torchio.DataLoader, fresh mount and fresh local cache")
-        with Mount(self.work, "torchio", catalog, env, self.leftovers.add) as m:
+        with Mount(self.work, "torchio", catalog, env, self._leave) as m:
             gets: list[int] = []
             with _credentials(env):
                 ours = measure_torchio(str(m.volume()), str(self.work / "torchio-cache"), a.workers,
@@ -570,7 +574,7 @@ class Bench:
         say(f"torchio: epoch 1 {ours[0]:.2f} s, epoch 2 {ours[1]:.2f} s")
         self.figures += loader_figures(plain, ours, gets[1] - gets[0] if min(gets) >= 0 else None, a.files,
                                        a.workers)
-        self.leftovers.add(self.work / "torchio-cache")
+        self._leave(self.work / "torchio-cache")
 
     def _dcp(self, catalog: Path, env: dict, measured) -> None:
         a = self.a
@@ -584,10 +588,10 @@ class Bench:
         state = make_state_dict(a.ckpt_size)
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         say(f"dcp.save of {nbytes / 1e6:,.0f} MB through UCVolumeWriter, fresh mount")
-        with Mount(self.work, "dcp", catalog, env, self.leftovers.add) as m:
+        with Mount(self.work, "dcp", catalog, env, self._leave) as m:
             scratch = m.mountpoint / "bench" / "torchio" / "scratch"
             save_s = measure_dcp(scratch, state, a.dcp_threads)
-        with Mount(self.work, "dcp-load", catalog, env, self.leftovers.add) as m:
+        with Mount(self.work, "dcp-load", catalog, env, self._leave) as m:
             scratch = m.mountpoint / "bench" / "torchio" / "scratch"
             load_s = measure_dcp_load(scratch, state)
         rate = nbytes / 1e6 / save_s

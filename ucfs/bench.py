@@ -604,7 +604,7 @@ class Leftovers:
     allocator skips every inode freed in the last minutes one by one: deleting 2,000 files right
     before a phase made each file that phase created scan past them (15-20% of the daemon's CPU in
     mount.small_parallel, all of it in `recently_deleted`). A bench must not charge its own
-    housekeeping to the next figure. Used by `torchio.bench` too."""
+    housekeeping to the next figure."""
 
     def __init__(self) -> None:
         self._paths: list[Path] = []
