@@ -26,9 +26,12 @@ its ``.metadata`` exists, so:
    ``.metadata``.
 4. Other hosts may hold views of the directory from before the save (the old ``.metadata`` that
    every rank looks up while planning, shards read by an earlier load) for up to the mount's
-   metadata TTL. ``dcp.save`` therefore returns no sooner than ``settle_s`` (twice the default TTL)
-   after planning ended, so a load anywhere that starts after it sees only the new checkpoint, never
-   old and new shards mixed. A save that takes longer than that waits for nothing.
+   metadata TTL. A save over files already there therefore returns no sooner than ``settle_s``
+   (twice the default TTL) after planning ended, so a load anywhere that starts after it sees only
+   the new checkpoint, never old and new shards mixed. A save that takes longer than that waits for
+   nothing, and neither does one into a new or empty directory (a step's own, the usual layout):
+   no host can hold a view of a checkpoint that was never there, and one that looked for
+   ``.metadata`` meanwhile waits for it to become visible (``UCVolumeReader``).
 
 `dcp.async_save` works the same way in its background thread (``BlockingAsyncStager`` copies the state
 to memory first, as `FileSystemWriter` does).
@@ -97,6 +100,14 @@ class VolumeFileSystem(FileSystem):
         fsync_path(Path(path).parent)
 
 
+def _has_entries(path: os.PathLike) -> bool:
+    try:
+        with os.scandir(path) as entries:
+            return next(entries, None) is not None
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
 def _writes(mode: str) -> bool:
     return any(c in mode for c in "wax+")
 
@@ -146,8 +157,10 @@ class UCVolumeWriter(FileSystemWriter):
         self.path = self.fs.init_path(path)
         self.settle_s = settle_s
         self._planned_at: float | None = None
+        self._over_files = True  # the directory held files when this save began (point 4 above)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self._over_files = _has_entries(self.path)
         plan = super().prepare_local_plan(plan)  # creates the directory; refuses if overwrite=False
         if not self.use_collectives and self.rank is not None:
             self._retract(self._get_metadata_path(self.rank))  # each rank owns its own metadata file
@@ -169,7 +182,7 @@ class UCVolumeWriter(FileSystemWriter):
 
     def finish(self, metadata, results) -> None:
         super().finish(metadata, results)
-        if self._planned_at is not None:
+        if self._planned_at is not None and self._over_files:
             # What other hosts cached before the save expires before any rank's dcp.save returns.
             wait = self._planned_at + self.settle_s - time.monotonic()
             if wait > 0:
