@@ -93,6 +93,45 @@ def test_a_part_written_over_after_its_stream_sent_it_is_sent_again(mount, s3, b
     assert c.get("streamed", 0) == 1, c  # the stream was completed, with the part sent again
 
 
+@pytest.mark.parametrize("size,sent", [(40 * MiB, {"create_multipart": 1, "upload_part": 5, "put": 0}),
+                                       (4 * MiB, {"create_multipart": 0, "upload_part": 0, "put": 1}),
+                                       (0, {"create_multipart": 0, "upload_part": 0, "put": 1})])
+def test_a_file_fsynced_then_closed_unchanged_is_sent_once(mount, s3, bucket, prefix, size, sent):
+    """DCP fsyncs each file it writes, closes it, and (torchio) fsyncs it again. Each of those counts
+    as a change of a file we did not see written: the close sent 512 MiB files a second time."""
+    _passthrough(mount)
+    data = os.urandom(size)
+    p = mount.path() / "shard.bin"
+    before = mount.store_stats()
+    with open(p, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_path(p)
+    assert obj(s3, bucket, f"{prefix}/vol/shard.bin") == data
+    after = mount.store_stats()
+    assert {k: after.get(k, 0) - before.get(k, 0) for k in sent} == sent
+    assert mount.status()["commits"].get("commits_unchanged", 0) >= 1
+
+
+def test_a_change_that_keeps_the_size_after_an_fsync_is_still_sent(mount, s3, bucket, prefix):
+    """What lets an unchanged file go unsent is its content, read back and compared: not its size,
+    nor its times, which a write through a mapping already dirty does not move."""
+    _passthrough(mount)
+    data = bytearray(os.urandom(40 * MiB))
+    p = mount.path() / "patched.bin"
+    with open(p, "r+b" if p.exists() else "w+b") as f:
+        f.write(data)
+        f.flush()
+        with mmap.mmap(f.fileno(), 0) as m:
+            m[20 * MiB:20 * MiB + 4] = b"one!"
+            os.fsync(f.fileno())  # sends the file, "one!" included
+            m[20 * MiB:20 * MiB + 4] = b"two!"
+    data[20 * MiB:20 * MiB + 4] = b"two!"
+    fsync_path(p)
+    assert obj(s3, bucket, f"{prefix}/vol/patched.bin") == bytes(data)
+
+
 def test_writing_further_on_first_is_not_streamed_and_commits_exactly(mount, s3, bucket, prefix):
     _passthrough(mount)
     data = os.urandom(64 * MiB)
