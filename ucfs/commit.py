@@ -1156,6 +1156,12 @@ class Committer:
                     s.flushed_generation = max(s.flushed_generation, gen)
                     self.stats["committed_at_close"] += 1
                     return
+                if unseen and s.stored is not None and await self._commit_in_place(s, unchanged_only=True):
+                    # Fsynced (DCP does), then closed: the store has this content already, and
+                    # there is nothing to sync or record (the sync was 0.5-1.5 s for 512 MiB).
+                    s.flushed_generation = max(s.flushed_generation, gen)
+                    self.stats["closed_unchanged"] += 1
+                    return
                 n, s.unsynced = s.unsynced, 0
                 await self._sync(s, n)
                 path = s.node.rel_path()
@@ -1295,9 +1301,10 @@ class Committer:
             return lag / up <= CLOSE_UPLOAD_PREFERENCE * s.unsynced / disk
         return lag <= max(self._stream_window, s.unsynced)
 
-    async def _commit_in_place(self, s: Staged) -> bool:
+    async def _commit_in_place(self, s: Staged, *, unchanged_only: bool = False) -> bool:
         """Commit s's current content in the caller's time: True once it is in the store. On any
-        failure return False, and leave the file for the durable path (flush, the workers' retries)."""
+        failure return False, and leave the file for the durable path (flush, the workers' retries).
+        `unchanged_only`: only if that takes sending nothing (`_still_stored`); quietly False if not."""
         async with s.commit_lock:
             s.abandon = False
             if s.dropped or s.node.staged is not s:
@@ -1306,9 +1313,11 @@ class Committer:
                 return True
             gen = s.generation
             try:
-                await self._commit(s, in_place=True)
+                await self._commit(s, in_place=True, unchanged_only=unchanged_only)
             except (_Changed, errors.StoreError, OSError) as e:
                 self._remove_superseded(s)
+                if unchanged_only and isinstance(e, _Changed):
+                    return False
                 if not isinstance(e, _Changed):
                     s.attempts += 1
                 log.info("committing %s at once did not work (%s); it is staged and queued instead",
@@ -1472,9 +1481,10 @@ class Committer:
         self._enqueue(s)
 
     # -- committing -------------------------------------------------------------------------------
-    async def _commit(self, s: Staged, *, in_place: bool = False) -> None:
+    async def _commit(self, s: Staged, *, in_place: bool = False, unchanged_only: bool = False) -> None:
         """Upload s's content (under its commit lock). `in_place`: for a caller waiting on it
-        (`_commit_in_place`), so even a file still open for writing is committed now."""
+        (`_commit_in_place`), so even a file still open for writing is committed now.
+        `unchanged_only`: only if nothing needs sending (`_still_stored`), else _Changed."""
         vol = s.volume
         store = self.core.store_for(vol)
         key = s.node.key
@@ -1484,7 +1494,7 @@ class Committer:
         s.published = None  # what this commit makes replaces it
         content = None
         unchanged = False
-        if st is not None and st.valid and st.key == key:
+        if st is not None and st.valid and st.key == key and not unchanged_only:
             if s.writers > 0 and not s.fsync_waiters and not in_place:
                 return  # still being written: its last close queues it again
             info, gen = await self._finish_stream(s, store, for_rename=not in_place)
@@ -1492,6 +1502,8 @@ class Committer:
         elif (info := await self._still_stored(s, key, gen)) is not None:
             content, unchanged = s.stored[2], True
             self.stats["commits_unchanged"] += 1
+        elif unchanged_only:
+            raise _Changed("changed since its last commit")
         else:
             self._invalidate_stream(s, "committing whole")
             if s.size <= SINGLE_PUT_MAX_BYTES:
