@@ -115,6 +115,11 @@ def test_close_of_a_stream_that_lags_syncs_and_journals_instead(tmp_path, monkey
             assert [r.path for r in committer.journal.records()] == ["lag.bin"]
             assert committer.statistics().get("committed_at_close", 0) == 0
             await core.release(fh)
+            with trio.fail_after(30):
+                # The stream's parts are held at the gate. (They get there in store threads: on a
+                # busy host the first may arrive only now; the check raced them once in a full run.)
+                while store.parts_waiting == 0:
+                    await trio.sleep(0.01)
             store.gate.set()  # the workers commit it from the staging file
             with trio.fail_after(30):
                 while _stored(store, "lag.bin") != data:
