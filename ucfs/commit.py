@@ -1494,7 +1494,9 @@ class Committer:
         s.published = None  # what this commit makes replaces it
         content = None
         unchanged = False
-        if st is not None and st.valid and st.key == key and not unchanged_only:
+        if st is not None and st.valid and st.key == key:
+            if unchanged_only:
+                raise _Changed("it streams again")  # its parts are on their way: that upload finishes it
             if s.writers > 0 and not s.fsync_waiters and not in_place:
                 return  # still being written: its last close queues it again
             info, gen = await self._finish_stream(s, store, for_rename=not in_place)
