@@ -242,6 +242,24 @@ class Stream:
     content: list[tuple[int, int, bytes]] | None = None
 
 
+@dataclass(frozen=True)
+class _Stored:
+    """What a commit put in the store under `key` as `etag`: its content as (offset, length, xxh3)
+    ranges, in order (`Staged.stored`)."""
+
+    key: str
+    etag: str
+    ranges: list[tuple[int, int, bytes]]
+
+    @property
+    def size(self) -> int:
+        return self.ranges[-1][0] + self.ranges[-1][1] if self.ranges else 0
+
+    def may_describe(self, s: "Staged") -> bool:
+        """Whether s may still hold this, as far as its name, ETag and size tell (no I/O)."""
+        return self.key == s.node.key and self.etag == s.node.etag and self.size == s.size
+
+
 @dataclass(eq=False)
 class _Kept:
     """A closed version of a staged file, kept in a staging file of its own while the file is written
@@ -332,7 +350,7 @@ class Staged:
     # ETag; known when it was sent while passthrough writers had the file open (a verified stream,
     # or a commit for an fsync). Their close counts as a change, since we do not see their writes:
     # a commit that finds the file still holds this content has nothing to send (`_still_stored`).
-    stored: tuple[str, str, list[tuple[int, int, bytes]]] | None = None
+    stored: _Stored | None = None
     unsynced: int = 0
     unchecked: int = 0  # bytes written since the last free-space check
     # Passthrough (ucfs.passthrough): the kernel's id of the staging file as a backing file, the
@@ -1156,7 +1174,9 @@ class Committer:
                     s.flushed_generation = max(s.flushed_generation, gen)
                     self.stats["committed_at_close"] += 1
                     return
-                if unseen and s.stored is not None and await self._commit_in_place(s, unchanged_only=True):
+                if (unseen and s.stored is not None and s.stored.may_describe(s)
+                        and not s.commit_lock.locked()  # (never wait for another commit here)
+                        and await self._commit_in_place(s, unchanged_only=True)):
                     # Fsynced (DCP does), then closed: the store has this content already, and
                     # there is nothing to sync or record (the sync was 0.5-1.5 s for 512 MiB).
                     s.flushed_generation = max(s.flushed_generation, gen)
@@ -1502,7 +1522,7 @@ class Committer:
             info, gen = await self._finish_stream(s, store, for_rename=not in_place)
             content = st.content
         elif (info := await self._still_stored(s, key, gen)) is not None:
-            content, unchanged = s.stored[2], True
+            content, unchanged = s.stored.ranges, True
             self.stats["commits_unchanged"] += 1
         elif unchanged_only:
             raise _Changed("changed since its last commit")
@@ -1553,7 +1573,7 @@ class Committer:
             raise _Changed("renamed or unlinked while it was uploaded")
         node.etag = info.etag
         node.size = s.size if info.size < 0 else info.size
-        s.stored = (key, info.etag, content) if content is not None else None
+        s.stored = _Stored(key, info.etag, content) if content is not None else None
         # The mtime it showed while staged (its last write, or what touch set), not the time the
         # upload ended: a commit is no change to the file (core.Core._describe).
         node.mtime_ns = s.mtime_ns
@@ -1632,11 +1652,7 @@ class Committer:
         it: both count as changes of a passthrough writer's file, and the close sent 512 MiB files
         a second time. Reads and hashes the file (about a tenth of the time an upload takes)."""
         stored = s.stored
-        if stored is None or stored[0] != key or stored[1] != s.node.etag:
-            return None
-        ranges = stored[2]
-        size = ranges[-1][0] + ranges[-1][1] if ranges else 0
-        if s.size != size:
+        if stored is None or stored.key != key or not stored.may_describe(s):
             return None
         same = True
 
@@ -1649,13 +1665,13 @@ class Committer:
         self.pin(s)
         try:
             async with trio.open_nursery() as nursery:
-                for off, length, digest in ranges:
+                for off, length, digest in stored.ranges:
                     nursery.start_soon(one, off, length, digest)
         finally:
             self.unpin(s)
-        if not same or s.generation != gen or s.size != size:
+        if not same or s.generation != gen or s.size != stored.size:
             return None
-        return ObjectInfo(key, size, stored[1], s.mtime_ns)
+        return ObjectInfo(key, stored.size, stored.etag, s.mtime_ns)
 
     async def _cache_committed_later(self, s: Staged, version: ObjectVersion) -> None:
         try:
