@@ -128,6 +128,22 @@ def _mem_available() -> int | None:
     return None
 
 
+# Free page reporting: a virtual machine's kernel hands free memory back to its hypervisor. A cold
+# read through any file system fills new page cache (the object's size of it) where ceiling.read
+# reuses its buffers, and on the VMs we measure on it read slower when the guest had handed back
+# more (README, "ucfs bench"). Where reporting is on, each phase says how much went back.
+PAGE_REPORTING = Path("/sys/module/page_reporting/parameters")
+
+
+def _returned_to_host_kib(root: Path = PAGE_REPORTING) -> int | None:
+    """KiB of free memory this VM has handed back to its hypervisor since boot, or None where the
+    kernel does not report free pages."""
+    try:
+        return int((root / "reported_kib").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def _stat_ticks(text: str) -> int:
     """utime + stime, in clock ticks, from the text of a /proc/<pid>[/task/<tid>]/stat file."""
     fields = text[text.rindex(")") + 2:].split()  # the name before may hold spaces and ')'
@@ -918,6 +934,7 @@ class Bench:
         self.details: dict[str, dict] = {}
         self.phase_cpu: dict[str, dict[str, float]] = {}  # per phase: % of all CPUs by kind (/proc/stat)
         self.phase_cpu_seconds: dict[str, dict[str, float]] = {}  # per phase: CPU seconds by process
+        self.phase_returned_mib: dict[str, int] = {}  # per phase: MiB handed back to the hypervisor
         self.mount_pids: dict[int, str] = {}  # live mount daemons, named in the CPU lines
         # With --repeat: what each finished round measured, and the suffix that gives this round's
         # mounts and local copies names of their own (removing the last round's right before a
@@ -927,6 +944,7 @@ class Bench:
         self.stack = contextlib.ExitStack()
         self.leftovers = Leftovers()
         self.loadavg_start = os.getloadavg()
+        self.returned_kib_start = self.returned_kib_mark = _returned_to_host_kib()
         self.direct: Endpoint | None = None  # the store itself (setup, checks)
         self.measured: Endpoint | None = None  # what ceilings and mounts talk to (the proxy, if any)
         self.work: Path | None = None
@@ -978,8 +996,10 @@ class Bench:
             if self.o.repeat > 1:
                 self.rounds.append({"figures": self.figures, "details": self.details,
                                     "phase_cpu_percent": self.phase_cpu,
-                                    "phase_cpu_seconds_by_process": self.phase_cpu_seconds})
+                                    "phase_cpu_seconds_by_process": self.phase_cpu_seconds,
+                                    "phase_returned_to_host_mib": self.phase_returned_mib})
                 self.figures, self.details, self.phase_cpu, self.phase_cpu_seconds = {}, {}, {}, {}
+                self.phase_returned_mib = {}
         if self.rounds:
             chosen = median_rounds([r["figures"] for r in self.rounds])
             self.figures = combine_rounds([r["figures"] for r in self.rounds], chosen)
@@ -1041,6 +1061,12 @@ class Bench:
         procs = _cpu_by_process(since, now, self.mount_pids)
         self.phase_cpu_seconds[name] = dict(procs)
         say(f"{name}: CPU seconds by process: " + ", ".join(f"{n} {v:.1f}" for n, v in procs))
+        returned = _returned_to_host_kib()
+        if returned is not None and self.returned_kib_mark is not None:
+            mib = (returned - self.returned_kib_mark) // 1024
+            self.phase_returned_mib[name] = mib
+            say(f"{name}: free memory handed back to the hypervisor since the phase before: {mib} MiB")
+        self.returned_kib_mark = returned
 
     def _prepare(self) -> None:
         o = self.o
@@ -1690,10 +1716,18 @@ class Bench:
         if bounds:
             print("\nwhat this machine allows (from ceiling.read_keep and ceiling.write_pair):")
             print("\n".join(f"  {b}" for b in bounds))
+        returned = _returned_to_host_kib()
+        returned_mib = (None if returned is None or self.returned_kib_start is None
+                        else (returned - self.returned_kib_start) // 1024)
+        if returned_mib:
+            print(f"\nthis VM handed {returned_mib} MiB of free memory back to its hypervisor during the run "
+                  "(free page reporting); the mount's cold read, which fills new page cache where ceiling.read "
+                  "reuses its buffers, measured slower when it did (README, \"ucfs bench\")")
         if o.json_path:
             doc = {"ucfs_version": __version__, "host": {"nodename": os.uname().nodename, "nproc": os.cpu_count(),
                                                          "loadavg_start": self.loadavg_start,
-                                                         "loadavg_end": load_end},
+                                                         "loadavg_end": load_end,
+                                                         "returned_to_host_mib": returned_mib},
                    "store": {"endpoint": self.direct.url, "started_rgw": self.rgw is not None, "bucket": o.bucket,
                              "prefix": o.prefix, "latency_ms": o.latency_ms},
                    "workload": {"size_bytes": o.size, "small_files": o.small_files,
@@ -1704,6 +1738,7 @@ class Bench:
                    "details": self.details,
                    "phase_cpu_percent": self.phase_cpu,
                    "phase_cpu_seconds_by_process": self.phase_cpu_seconds,
+                   "phase_returned_to_host_mib": self.phase_returned_mib,
                    "bounds": bounds, "repeat": o.repeat,
                    "rounds": [{"figures": {n: asdict(f) for n, f in r["figures"].items()},
                                **{k: v for k, v in r.items() if k != "figures"}} for r in self.rounds]}

@@ -7,8 +7,9 @@ import json
 import subprocess
 import sys
 
-from ucfs.bench import (BenchMount, Figure, ThreadCpu, _cpu_delta, _cpu_shares, _fmt_requests, _fmt_thread_cpu,
-                        _request_delta, combine_rounds, format_table, median_rounds)
+from ucfs.bench import (BenchMount, Figure, ThreadCpu, _cpu_delta, _cpu_shares, _fmt_requests,
+                        _fmt_thread_cpu, _request_delta, _returned_to_host_kib, combine_rounds, format_table,
+                        median_rounds)
 
 from tests.support import REPO
 
@@ -120,7 +121,24 @@ def test_a_small_bench_runs_every_phase_and_reports_ratios(s3_endpoint, bucket, 
     assert "mount.cold_read: CPU seconds by process:" in r.stderr
     by_process = doc["phase_cpu_seconds_by_process"]["mount.cold_read"]
     assert by_process["ucfs mount"] >= 0 and "its ended children (mounts, dd, cp)" in by_process, by_process
+    # Free memory the VM handed back to its hypervisor, phase by phase, where its kernel says.
+    returned = doc["phase_returned_to_host_mib"]
+    if _returned_to_host_kib() is None:
+        assert returned == {} and doc["host"]["returned_to_host_mib"] is None
+        assert "handed back to the hypervisor" not in r.stderr
+    else:
+        assert set(returned) == set(doc["phase_cpu_percent"]), returned
+        assert all(v >= 0 for v in returned.values()) and doc["host"]["returned_to_host_mib"] >= 0
+        assert "mount.cold_read: free memory handed back to the hypervisor since the phase before:" in r.stderr
     assert "targets met" in r.stdout
+
+
+def test_memory_handed_back_to_the_hypervisor_is_read_where_the_kernel_reports_it(tmp_path):
+    (tmp_path / "reported_kib").write_text("7602\n")
+    assert _returned_to_host_kib(tmp_path) == 7602
+    (tmp_path / "reported_kib").write_text("")
+    assert _returned_to_host_kib(tmp_path) is None
+    assert _returned_to_host_kib(tmp_path / "absent") is None
 
 
 def test_repeated_rounds_are_judged_by_their_median_round():
