@@ -112,12 +112,18 @@ INTENT_CREATE_WINDOW_S = 600.0
 # Empty staging files made ahead of time. The kernel holds a directory's lock while we handle a
 # create in it, so a 64-way copy into one directory creates one file at a time; a create that had
 # to wait for a disk thread (busy with fsyncs and cache writes) to make its staging file held up all
-# the others. A spare is taken without leaving the event loop.
+# the others. A spare is taken without leaving the event loop, while the disk's room was read
+# recently (ROOM_READING_MAX_AGE_S).
 SPARE_STAGING_FILES = 32
 # ... topped up once fewer than this are left: in batches, since each batch ends with an fsync of the
 # staging directory (topping up after every take made one or two files per fsync).
 SPARE_LOW_WATER = SPARE_STAGING_FILES // 2
 SPARE_PREFIX = "spare-"
+# A spare is taken only while the staging disk has room, as a statfs last found it, at most this
+# long ago. The event loop never makes that statfs itself: on a busy disk one blocked it for 153 ms
+# (the soak's watchdog). Disk threads read it whenever they make staging files or room, and a
+# create with no reading that recent waits for one from a disk thread.
+ROOM_READING_MAX_AGE_S = 0.5
 # A staging file whose content is committed, kept only because handles still read it: a crash
 # leaves nothing to keep (`_collect_orphans`). Named back before anyone writes it again.
 COMMITTED_PREFIX = "committed-"
@@ -447,6 +453,7 @@ class Committer:
         self._drain_stopped: str | None = None  # why a drain was told to stop, if it was
         self._spares: list[tuple[Path, int]] = []  # (path, fd) of empty staging files made ahead
         self._refilling = False
+        self._room_reading = (-ROOM_READING_MAX_AGE_S, False)  # (monotonic time, room) of the last statfs
         self._removals: list[tuple[int, Path]] = []  # retired staging files: (fd, path) to close and remove
         self._removing = False
         self._watched: set[Staged] = set()  # files with passthrough writers (`_watch_passthrough`)
@@ -640,9 +647,15 @@ class Committer:
         return path, fd
 
     async def _staging_file(self) -> tuple[Path, int]:
-        """An empty staging file: a spare when there is one and the disk has room (a statfs, no
-        thread), else one made now."""
-        got = self._spares.pop() if self._spares and self._has_room() else None
+        """An empty staging file: a spare when there is one and the disk has room (by a recent
+        reading, ROOM_READING_MAX_AGE_S), else one made now."""
+        got = None
+        if self._spares:
+            seen_at, room = self._room_reading
+            if time.monotonic() - seen_at > ROOM_READING_MAX_AGE_S:
+                room = await run_disk(self._has_room)
+            if room and self._spares:  # another create may have taken the last one meanwhile
+                got = self._spares.pop()
         if got is None:
             got = await run_disk(self._new_staging)  # makes room, or refuses with ENOSPC
         self._refill_spares()
@@ -685,9 +698,12 @@ class Committer:
             self._refilling = False
 
     def _staging_shortfall(self) -> int:
-        """Bytes the staging disk is short of its free-space floor (0 when it has room; a statfs)."""
+        """Bytes the staging disk is short of its free-space floor (0 when it has room). A statfs,
+        which may block: disk threads only. Records the reading for `_staging_file`."""
         st = os.statvfs(self.staging_dir)
-        return max(0, self.cfg.cache_free_floor_bytes // 4 - st.f_bavail * st.f_frsize)
+        short = max(0, self.cfg.cache_free_floor_bytes // 4 - st.f_bavail * st.f_frsize)
+        self._room_reading = (time.monotonic(), short == 0)
+        return short
 
     def _has_room(self) -> bool:
         return self._staging_shortfall() == 0

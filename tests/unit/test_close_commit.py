@@ -478,6 +478,44 @@ def test_a_burst_of_creates_makes_its_spares_in_few_batches(tmp_path, monkeypatc
     trio.run(main)
 
 
+def test_creates_never_read_the_disk_s_free_space_on_the_event_loop(tmp_path, monkeypatch):
+    """A statfs can block on a busy disk (153 ms in the soak), so a create takes a spare on a recent
+    reading made in a disk thread, and asks a disk thread for one when it has none that recent."""
+    store = GatedStore()
+    cfg = _cfg(tmp_path)
+    real_statvfs = os.statvfs
+    callers: list[str] = []
+
+    def statvfs(path):
+        callers.append(threading.current_thread().name)
+        return real_statvfs(path)
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+
+    async def main():
+        loop_thread = threading.current_thread().name
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, cfg)
+            with trio.fail_after(10):
+                while len(committer._spares) < commit_mod.SPARE_STAGING_FILES:
+                    await trio.sleep(0.01)
+            callers.clear()
+            fhs = [await _write(core, vol, f"a{i}.bin", b"x") for i in range(4)]  # readings still fresh
+            await trio.sleep(commit_mod.ROOM_READING_MAX_AGE_S + 0.1)
+            spares_before = {p for p, _ in committer._spares}
+            fh = await _write(core, vol, "late.bin", b"y")  # no recent reading: a disk thread reads one
+            assert core.file_handle(fh).staged.path in spares_before
+            for h in fhs + [fh]:
+                await core.fsync(h)
+                await core.release(h)
+            assert callers and loop_thread not in callers, (loop_thread, callers)
+            assert _stored(store, "late.bin") == b"y"
+            await committer.shutdown(drain=True)
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
 def test_creates_take_staging_files_made_ahead_and_none_is_left_behind(tmp_path):
     """A create takes an empty staging file made ahead (no trip to a disk thread while the kernel
     holds the directory's lock). Spares never written are removed at shutdown, and at the next
