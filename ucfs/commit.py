@@ -2354,6 +2354,16 @@ class Committer:
             self._removing = False
 
     # -- status ---------------------------------------------------------------------------------
+    def staging_space(self) -> dict:
+        """The room new writes need on the staging disk: without it they fail with ENOSPC. A statfs,
+        which may block: disk threads only (`ucfs status` adds it to `statistics`)."""
+        try:
+            st = os.statvfs(self.staging_dir)
+        except OSError:
+            return {}
+        return dict(staging_free_bytes=st.f_bavail * st.f_frsize,
+                    staging_reserve_bytes=self.cfg.cache_free_floor_bytes // 4, staging_dir=str(self.staging_dir))
+
     def statistics(self) -> dict:
         items = []
         now = time.time()
@@ -2366,13 +2376,6 @@ class Committer:
                           "error": str(s.error) if s.error is not None else "",
                           "retrying": s.retry_reason if s.error is None else ""})
         out = dict(self.stats)
-        # The room new writes need on the staging disk (a statfs): without it they fail with ENOSPC.
-        try:
-            st = os.statvfs(self.staging_dir)
-            out.update(staging_free_bytes=st.f_bavail * st.f_frsize,
-                       staging_reserve_bytes=self.cfg.cache_free_floor_bytes // 4, staging_dir=str(self.staging_dir))
-        except OSError:
-            pass
         out.update(pending=len(pending), failed=sum(1 for s in pending if s.error is not None),
                    writing=sum(1 for s in pending if s.error is None and s.writers and s.kept is None),
                    pending_bytes=sum(s.size for s in pending), staged_files=len(self.staged), items=items)

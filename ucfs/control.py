@@ -11,12 +11,13 @@ Refusing getxattr once (ENOSYS) switches those questions off for the whole mount
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
 import socket
 from pathlib import Path
-from typing import Callable
+from typing import Awaitable, Callable
 
 import trio
 
@@ -34,7 +35,7 @@ def socket_path(mountpoint: str | os.PathLike) -> Path:
     return runtime_dir() / f"{mount_runtime_name(mountpoint)}.sock"
 
 
-async def serve(mountpoint: Path, handlers: dict[str, Callable[[], dict]], *,
+async def serve(mountpoint: Path, handlers: dict[str, Callable[[], dict | Awaitable[dict]]], *,
                 task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Answer control requests until cancelled."""
     path = socket_path(mountpoint)
@@ -62,6 +63,8 @@ async def serve(mountpoint: Path, handlers: dict[str, Callable[[], dict]], *,
             fn = handlers.get(command)
             try:
                 reply = fn() if fn is not None else {"error": f"unknown command {command!r}"}
+                if inspect.isawaitable(reply):  # a handler that needs a thread's help (a statfs, say)
+                    reply = await reply
             except Exception as e:  # noqa: BLE001 - a bad request must not end the daemon
                 log.exception("control command %r failed", command)
                 reply = {"error": repr(e)}

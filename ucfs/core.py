@@ -1550,7 +1550,8 @@ class Core:
         """Sizes reported to df. The object store has no fixed size and none of it is ours to
         count as used: a large size, all of it free, so df shows 0 % used, not 100 %. What may be
         written now (f_bavail: df's Avail, shutil.disk_usage's free) is what the staging disk has,
-        since every write lands there first and fails with ENOSPC without it."""
+        since every write lands there first and fails with ENOSPC without it. Blocking (a statfs of
+        the staging disk): disk threads only."""
         bsize = self.cfg.block_bytes
         avail = 1 << 50
         if self.cache is not None:

@@ -17,6 +17,7 @@ import pyfuse3
 import trio
 
 from . import errors
+from .aiostore import run_disk
 from .core import Attributes, Caller, Core
 
 log = logging.getLogger(__name__)
@@ -257,7 +258,8 @@ class Operations(pyfuse3.Operations):
     @_translate
     async def statfs(self, ctx):
         s = pyfuse3.StatvfsData()
-        for k, v in self.core.statfs().items():
+        # It asks the staging disk (a statfs of its own), which may block: a disk thread does.
+        for k, v in (await run_disk(self.core.statfs)).items():
             setattr(s, k, v)
         return s
 

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Callable
+from typing import Awaitable, Callable
 
 import trio
 
@@ -218,8 +218,10 @@ def prometheus_text(status: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-async def serve_metrics(port: int, status: Callable[[], dict], *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """A minimal HTTP server on 127.0.0.1:port answering GET /metrics (loopback only, on purpose)."""
+async def serve_metrics(port: int, status: Callable[[], Awaitable[dict]], *,
+                        task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """A minimal HTTP server on 127.0.0.1:port answering GET /metrics (loopback only, on purpose).
+    `status` is the daemon's status, awaited: it reads the staging disk in a disk thread."""
 
     async def handle(stream: trio.SocketStream) -> None:
         async with stream:
@@ -232,7 +234,7 @@ async def serve_metrics(port: int, status: Callable[[], dict], *, task_status=tr
                     request += chunk
             line = request.split(b"\r\n", 1)[0].decode(errors="replace").split()
             if len(line) >= 2 and line[0] == "GET" and line[1].split("?")[0] == "/metrics":
-                body = prometheus_text(status()).encode()
+                body = prometheus_text(await status()).encode()
                 head = (f"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n"
                         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
             else:
