@@ -122,7 +122,8 @@ SPARE_PREFIX = "spare-"
 # A spare is taken only while the staging disk has room, as a statfs last found it, at most this
 # long ago. The event loop never makes that statfs itself: on a busy disk one blocked it for 153 ms
 # (the soak's watchdog). Disk threads read it whenever they make staging files or room, and a
-# create with no reading that recent waits for one from a disk thread.
+# create with no reading that recent has a thread of its own read it (not a disk thread: those may
+# all be busy with fsyncs and cache writes, which is what spares spare a create).
 ROOM_READING_MAX_AGE_S = 0.5
 # A staging file whose content is committed, kept only because handles still read it: a crash
 # leaves nothing to keep (`_collect_orphans`). Named back before anyone writes it again.
@@ -653,7 +654,7 @@ class Committer:
         if self._spares:
             seen_at, room = self._room_reading
             if time.monotonic() - seen_at > ROOM_READING_MAX_AGE_S:
-                room = await run_disk(self._has_room)
+                room = await trio.to_thread.run_sync(self._has_room)  # not queued behind disk work
             if room and self._spares:  # another create may have taken the last one meanwhile
                 got = self._spares.pop()
         if got is None:
@@ -699,7 +700,7 @@ class Committer:
 
     def _staging_shortfall(self) -> int:
         """Bytes the staging disk is short of its free-space floor (0 when it has room). A statfs,
-        which may block: disk threads only. Records the reading for `_staging_file`."""
+        which may block: never on the event loop. Records the reading for `_staging_file`."""
         st = os.statvfs(self.staging_dir)
         short = max(0, self.cfg.cache_free_floor_bytes // 4 - st.f_bavail * st.f_frsize)
         self._room_reading = (time.monotonic(), short == 0)
@@ -2356,7 +2357,7 @@ class Committer:
     # -- status ---------------------------------------------------------------------------------
     def staging_space(self) -> dict:
         """The room new writes need on the staging disk: without it they fail with ENOSPC. A statfs,
-        which may block: disk threads only (`ucfs status` adds it to `statistics`)."""
+        which may block: never on the event loop (`ucfs status` adds it to `statistics`)."""
         try:
             st = os.statvfs(self.staging_dir)
         except OSError:

@@ -1551,7 +1551,7 @@ class Core:
         count as used: a large size, all of it free, so df shows 0 % used, not 100 %. What may be
         written now (f_bavail: df's Avail, shutil.disk_usage's free) is what the staging disk has,
         since every write lands there first and fails with ENOSPC without it. Blocking (a statfs of
-        the staging disk): disk threads only."""
+        the staging disk): never on the event loop."""
         bsize = self.cfg.block_bytes
         avail = 1 << 50
         if self.cache is not None:

@@ -17,7 +17,6 @@ import pyfuse3
 import trio
 
 from . import errors
-from .aiostore import run_disk
 from .core import Attributes, Caller, Core
 
 log = logging.getLogger(__name__)
@@ -258,8 +257,9 @@ class Operations(pyfuse3.Operations):
     @_translate
     async def statfs(self, ctx):
         s = pyfuse3.StatvfsData()
-        # It asks the staging disk (a statfs of its own), which may block: a disk thread does.
-        for k, v in (await run_disk(self.core.statfs)).items():
+        # It asks the staging disk (a statfs of its own), which may block: a thread of its own does,
+        # not a disk thread (those may all be busy with fsyncs and cache writes).
+        for k, v in (await trio.to_thread.run_sync(self.core.statfs)).items():
             setattr(s, k, v)
         return s
 

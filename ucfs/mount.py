@@ -29,7 +29,7 @@ import pyfuse3
 import trio
 
 from . import control, errors, telemetry
-from .aiostore import AsyncStore, run_disk
+from .aiostore import AsyncStore
 from .allocator import HEAP_AFTER_IDLE_S, Allocator
 from .cache import BlockCache, ensure_private_dir
 from .commit import Committer
@@ -381,8 +381,8 @@ async def serve(catalog: Catalog, cfg: MountConfig, opts: MountOptions,
 
             async def status() -> dict:
                 out = core.statistics()
-                # A statfs can block on a busy disk, so a disk thread makes it, not the event loop.
-                out.setdefault("commits", {}).update(await run_disk(committer.staging_space))
+                # A statfs can block on a busy disk: a thread makes it, not the event loop.
+                out.setdefault("commits", {}).update(await trio.to_thread.run_sync(committer.staging_space))
                 out.update(watchdog.statistics())
                 out["throughput_bytes_per_s"] = rates.rates()
                 out.update(allocator.statistics())

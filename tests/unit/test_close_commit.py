@@ -480,7 +480,7 @@ def test_a_burst_of_creates_makes_its_spares_in_few_batches(tmp_path, monkeypatc
 
 def test_creates_never_read_the_disk_s_free_space_on_the_event_loop(tmp_path, monkeypatch):
     """A statfs can block on a busy disk (153 ms in the soak), so a create takes a spare on a recent
-    reading made in a disk thread, and asks a disk thread for one when it has none that recent."""
+    reading made in a disk thread, and has a thread read one when it has none that recent."""
     store = GatedStore()
     cfg = _cfg(tmp_path)
     real_statvfs = os.statvfs
@@ -503,7 +503,7 @@ def test_creates_never_read_the_disk_s_free_space_on_the_event_loop(tmp_path, mo
             fhs = [await _write(core, vol, f"a{i}.bin", b"x") for i in range(4)]  # readings still fresh
             await trio.sleep(commit_mod.ROOM_READING_MAX_AGE_S + 0.1)
             spares_before = {p for p, _ in committer._spares}
-            fh = await _write(core, vol, "late.bin", b"y")  # no recent reading: a disk thread reads one
+            fh = await _write(core, vol, "late.bin", b"y")  # no recent reading: a thread reads one
             assert core.file_handle(fh).staged.path in spares_before
             for h in fhs + [fh]:
                 await core.fsync(h)

@@ -1,6 +1,6 @@
 """A statfs can block on a busy disk (153 ms seen in the soak test), so the event loop never makes
-one: `df` on the mount, `ucfs status` and creates (tests/unit/test_close_commit.py) hand it to a disk
-thread."""
+one: `df` on the mount, `ucfs status` and creates (tests/unit/test_close_commit.py) hand it to a
+thread (not to the disk pool, whose threads may all be busy with fsyncs and cache writes)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def test_commit_statistics_leave_the_staging_disk_s_room_to_a_disk_thread(tmp_pa
             calls.clear()
             stats = core.statistics()
             assert "pending" in stats["commits"] and not [c for c in calls if c[0] == here], calls
-            space = committer.staging_space()  # what a disk thread runs for `ucfs status`
+            space = committer.staging_space()  # what a thread runs for `ucfs status`
             assert [c for c in calls if c[0] == here] == [(here, str(committer.staging_dir))]
             assert space["staging_free_bytes"] > 0 and space["staging_dir"] == str(committer.staging_dir)
             assert space["staging_reserve_bytes"] == cfg.cache_free_floor_bytes // 4
