@@ -112,18 +112,18 @@ INTENT_CREATE_WINDOW_S = 600.0
 # Empty staging files made ahead of time. The kernel holds a directory's lock while we handle a
 # create in it, so a 64-way copy into one directory creates one file at a time; a create that had
 # to wait for a disk thread (busy with fsyncs and cache writes) to make its staging file held up all
-# the others. A spare is taken without leaving the event loop, while the disk's room was read
-# recently (ROOM_READING_MAX_AGE_S).
+# the others. A spare is taken without leaving the event loop (see ROOM_READING_MAX_AGE_S).
 SPARE_STAGING_FILES = 32
 # ... topped up once fewer than this are left: in batches, since each batch ends with an fsync of the
 # staging directory (topping up after every take made one or two files per fsync).
 SPARE_LOW_WATER = SPARE_STAGING_FILES // 2
 SPARE_PREFIX = "spare-"
-# A spare is taken only while the staging disk has room, as a statfs last found it, at most this
-# long ago. The event loop never makes that statfs itself: on a busy disk one blocked it for 153 ms
-# (the soak's watchdog). Disk threads read it whenever they make staging files or room, and a
-# create with no reading that recent has a thread of its own read it (not a disk thread: those may
-# all be busy with fsyncs and cache writes, which is what spares spare a create).
+# A spare is taken only while the staging disk had room when a statfs last looked. The event loop
+# never makes that statfs itself: on a busy disk one blocked it for 153 ms (the soak's watchdog).
+# Disk threads read it whenever they make staging files or room; a create that finds the reading
+# older than this has a thread read it again in the background, for the creates after it (not a
+# disk thread: those may all be busy with fsyncs and cache writes). The create itself does not
+# wait: on a disk that filled since, its writes fail with ENOSPC, as for a file opened before.
 ROOM_READING_MAX_AGE_S = 0.5
 # A staging file whose content is committed, kept only because handles still read it: a crash
 # leaves nothing to keep (`_collect_orphans`). Named back before anyone writes it again.
@@ -455,6 +455,7 @@ class Committer:
         self._spares: list[tuple[Path, int]] = []  # (path, fd) of empty staging files made ahead
         self._refilling = False
         self._room_reading = (-ROOM_READING_MAX_AGE_S, False)  # (monotonic time, room) of the last statfs
+        self._reading_room = False
         self._removals: list[tuple[int, Path]] = []  # retired staging files: (fd, path) to close and remove
         self._removing = False
         self._watched: set[Staged] = set()  # files with passthrough writers (`_watch_passthrough`)
@@ -648,19 +649,35 @@ class Committer:
         return path, fd
 
     async def _staging_file(self) -> tuple[Path, int]:
-        """An empty staging file: a spare when there is one and the disk has room (by a recent
-        reading, ROOM_READING_MAX_AGE_S), else one made now."""
+        """An empty staging file: a spare when there is one and the disk had room at the last
+        reading (ROOM_READING_MAX_AGE_S), else one made now."""
         got = None
         if self._spares:
             seen_at, room = self._room_reading
             if time.monotonic() - seen_at > ROOM_READING_MAX_AGE_S:
-                room = await trio.to_thread.run_sync(self._has_room)  # not queued behind disk work
-            if room and self._spares:  # another create may have taken the last one meanwhile
+                self._refresh_room_reading()
+            if room:
                 got = self._spares.pop()
         if got is None:
             got = await run_disk(self._new_staging)  # makes room, or refuses with ENOSPC
         self._refill_spares()
         return got
+
+    def _refresh_room_reading(self) -> None:
+        """Read the staging disk's room again, in the background (for the creates after this one)."""
+        if self._reading_room or self._nursery is None or self._shutting_down:
+            return
+        self._reading_room = True
+
+        async def read() -> None:
+            try:
+                await trio.to_thread.run_sync(self._has_room)  # a thread of its own: not behind disk work
+            except OSError as e:
+                log.debug("staging disk's free space not read: %s", e)
+            finally:
+                self._reading_room = False
+
+        self._nursery.start_soon(read)
 
     def _refill_spares(self) -> None:
         if (len(self._spares) < SPARE_LOW_WATER and not self._refilling and self._nursery is not None

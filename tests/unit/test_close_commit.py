@@ -479,8 +479,8 @@ def test_a_burst_of_creates_makes_its_spares_in_few_batches(tmp_path, monkeypatc
 
 
 def test_creates_never_read_the_disk_s_free_space_on_the_event_loop(tmp_path, monkeypatch):
-    """A statfs can block on a busy disk (153 ms in the soak), so a create takes a spare on a recent
-    reading made in a disk thread, and has a thread read one when it has none that recent."""
+    """A statfs can block on a busy disk (153 ms in the soak), so a create takes a spare on the last
+    reading, made in a thread, and has a thread read it again in the background when it is old."""
     store = GatedStore()
     cfg = _cfg(tmp_path)
     real_statvfs = os.statvfs
@@ -503,8 +503,12 @@ def test_creates_never_read_the_disk_s_free_space_on_the_event_loop(tmp_path, mo
             fhs = [await _write(core, vol, f"a{i}.bin", b"x") for i in range(4)]  # readings still fresh
             await trio.sleep(commit_mod.ROOM_READING_MAX_AGE_S + 0.1)
             spares_before = {p for p, _ in committer._spares}
-            fh = await _write(core, vol, "late.bin", b"y")  # no recent reading: a thread reads one
+            read_at = committer._room_reading[0]
+            fh = await _write(core, vol, "late.bin", b"y")  # an old reading: read again meanwhile
             assert core.file_handle(fh).staged.path in spares_before
+            with trio.fail_after(10):
+                while committer._room_reading[0] == read_at:
+                    await trio.sleep(0.01)
             for h in fhs + [fh]:
                 await core.fsync(h)
                 await core.release(h)
