@@ -719,9 +719,14 @@ class Committer:
         """Bytes the staging disk is short of its free-space floor (0 when it has room). A statfs,
         which may block: never on the event loop. Records the reading for `_staging_file`."""
         st = os.statvfs(self.staging_dir)
-        short = max(0, self.cfg.cache_free_floor_bytes // 4 - st.f_bavail * st.f_frsize)
+        short = max(0, self._staging_reserve_bytes - st.f_bavail * st.f_frsize)
         self._room_reading = (time.monotonic(), short == 0)
         return short
+
+    @property
+    def _staging_reserve_bytes(self) -> int:
+        """Free space the staging disk keeps for new writes (the cache gives way before they fail)."""
+        return self.cfg.cache_free_floor_bytes // 4
 
     def _has_room(self) -> bool:
         return self._staging_shortfall() == 0
@@ -2380,7 +2385,7 @@ class Committer:
         except OSError:
             return {}
         return dict(staging_free_bytes=st.f_bavail * st.f_frsize,
-                    staging_reserve_bytes=self.cfg.cache_free_floor_bytes // 4, staging_dir=str(self.staging_dir))
+                    staging_reserve_bytes=self._staging_reserve_bytes, staging_dir=str(self.staging_dir))
 
     def statistics(self) -> dict:
         items = []
