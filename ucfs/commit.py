@@ -765,7 +765,7 @@ class Committer:
             finally:
                 s.opening -= 1
                 if truncate and s.high_water:
-                    s.shrunk_at = time.monotonic()
+                    self._shrank(s)
             return s
         path, fd = await self._staging_file()
         s = Staged(node, node.volume, path, fd, 0, time.time_ns())
@@ -779,11 +779,26 @@ class Committer:
         if truncate or not node.etag:
             s.generation = 1  # new content: must be committed even if nothing is written
         s.high_water = node.size if node.etag else 0
-        if truncate and s.high_water:
-            s.shrunk_at = time.monotonic()  # the committed object was longer
         node.staged = s
         self.staged[node.ino] = s
+        if truncate and s.high_water:
+            self._shrank(s)  # the committed object was longer
         return s
+
+    def _shrank(self, s: Staged) -> None:
+        """s has just become shorter than it was, and its new size is in place.
+
+        The kernel learns the new size from our reply to the request that shrank it (a truncating
+        open, a truncate), in the context of the process that made it, when that process runs
+        again: a moment after the reply, several ms on a loaded machine. A reader opening meanwhile
+        would still read with the old size, get a short answer from a handle sized after the shrink
+        (so no ESTALE, see core.read) and be given zeros by its kernel. So the kernel is told now
+        that the attributes it holds are stale: every read that starts from now on asks for them
+        first (libfuse enables the kernel's auto_inval_data), and gets the new size. Handles opened
+        before now are those `shrunk_at` tells apart."""
+        if self.core.invalidate_attrs is not None:
+            self.core.invalidate_attrs(s.node.ino)
+        s.shrunk_at = time.monotonic()
 
     async def keep_closed_version(self, s: Staged, *, truncate: bool, append_only: bool = False) -> None:
         """s is about to be written again (an open for writing, a truncating open). If a close of it
@@ -1172,13 +1187,13 @@ class Committer:
                 with s.shrinking_if(shrinks):
                     await run_disk(os.ftruncate, s.fd, size)
             s.filled = min(s.filled, size)
-            if shrinks:
-                s.appends_only = False
-                self._invalidate_stream(s, "truncated")
-                s.shrunk_at = time.monotonic()  # handles opened before now may read the old size
             s.size = size
             s.mtime_ns = time.time_ns()
             s.generation += 1
+            if shrinks:
+                s.appends_only = False
+                self._invalidate_stream(s, "truncated")
+                self._shrank(s)  # handles opened before now may read the old size
 
     async def read_staged(self, node: Inode, off: int, size: int) -> bytes:
         s = node.staged

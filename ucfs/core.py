@@ -156,6 +156,10 @@ class Core:
         # Tell the kernel to forget its dentry of (parent inode, name), so that the next path walk
         # looks the name up again: set by mount (pyfuse3's invalidate_entry_async); None without FUSE.
         self.invalidate_entry: Callable[[int, str], None] | None = None
+        # Tell the kernel that the attributes it holds for an inode are stale, so that the next read
+        # or stat through it asks for them first: set by mount (pyfuse3's invalidate_inode, attributes
+        # only, which takes no lock the kernel may hold for a request); None without FUSE.
+        self.invalidate_attrs: Callable[[int], None] | None = None
         # What this mount changed itself, or last learned from a HEAD, and when (time.monotonic();
         # for a HEAD, when it was sent). A store answer obtained before that - a listing, probe or
         # HEAD still on its way when a commit, rename, create or unlink happened, or an opendir's

@@ -184,6 +184,17 @@ FUSE_DEFAULT_MAX_PAGES = 256
 FUSE_MAX_PAGES_FIELD = 65535  # max_pages is a 16-bit field of the INIT reply
 
 
+def _invalidate_attrs(ino: int) -> None:
+    """The kernel's attributes of `ino` are stale (Core.invalidate_attrs). Attributes only: that
+    takes no page lock, so it is safe on the event loop while reads wait for us. An inode the kernel
+    has forgotten has nothing to invalidate."""
+    try:
+        pyfuse3.invalidate_inode(ino, attr_only=True)
+    except OSError as e:
+        if e.errno != errno.ENOENT:
+            log.warning("could not tell the kernel that inode %d changed: %s", ino, e)
+
+
 def allow_read_requests(want_bytes: int, limit_path: Path = MAX_PAGES_LIMIT, *, can_ask: bool = True) -> int:
     """The largest read request the kernel will send us, raising its limit to `want_bytes` if we may.
 
@@ -418,6 +429,7 @@ async def serve(catalog: Catalog, cfg: MountConfig, opts: MountOptions,
             # request being answered may hold.
             core.invalidate_entry = lambda parent_ino, name: pyfuse3.invalidate_entry_async(
                 parent_ino, os.fsencode(name), ignore_enoent=True)
+            core.invalidate_attrs = _invalidate_attrs
             # Before main(), where the kernel's INIT is answered.
             core.passthrough.install(max_read)
             core.vectored_replies = core.passthrough.hooked
