@@ -105,29 +105,19 @@ async def _read_through_new_handle(core, kernel: Kernel) -> bytes | None:
         await core.release(fh)
 
 
-def test_a_reader_opening_right_after_a_truncating_open_returns_reads_no_zeros(tmp_path, monkeypatch):
+@pytest.mark.parametrize("staged", [True, False], ids=["closed-here", "committed-only"])
+def test_a_reader_opening_right_after_a_truncating_open_returns_reads_no_zeros(tmp_path, monkeypatch, staged):
+    """`committed-only`: not staged yet, the open puts an empty staging file in place of the object."""
     async def body(core, committer, vol, inner):
-        ino = await _closed(core, vol, "f.bin", V1)
+        if staged:
+            ino = await _closed(core, vol, "f.bin", V1)
+        else:
+            inner.put_bytes("bucket", "pfx/f.bin", V1)
+            ino = (await core.lookup(vol, "f.bin")).ino
         kernel = Kernel(core, ino)
         assert await kernel.getattr() == len(V1)
         wfh, _ = await core.open(ino, os.O_WRONLY | os.O_TRUNC)
         # The writer's open has been answered; its process has not yet run to apply the new size.
-        got = await _read_through_new_handle(core, kernel)
-        assert got == b"", f"read {len(got or b'')} bytes, {(got or b'').count(0)} of them zeros"
-        assert (kernel.told, kernel.size_when_told) == (1, 0)
-        await core.release(wfh)
-
-    _run(tmp_path, monkeypatch, body)
-
-
-def test_a_truncating_open_of_a_committed_file_tells_the_kernel(tmp_path, monkeypatch):
-    """Not staged yet: the open makes an empty staging file in place of the committed object."""
-    async def body(core, committer, vol, inner):
-        inner.put_bytes("bucket", "pfx/g.bin", V1)
-        ino = (await core.lookup(vol, "g.bin")).ino
-        kernel = Kernel(core, ino)
-        assert await kernel.getattr() == len(V1)
-        wfh, _ = await core.open(ino, os.O_WRONLY | os.O_TRUNC)
         got = await _read_through_new_handle(core, kernel)
         assert got == b"", f"read {len(got or b'')} bytes, {(got or b'').count(0)} of them zeros"
         assert (kernel.told, kernel.size_when_told) == (1, 0)
