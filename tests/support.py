@@ -324,3 +324,28 @@ async def open_core(tmp_path, store, nursery, cfg):
     for name in ("a", "b", "c"):
         ino = (await core.lookup(ino, name)).ino
     return core, committer, ino
+
+
+def run_on_core(tmp_path, body, *, drain: bool = True, **cfg):
+    """trio.run of `body(core, committer, volume inode, store)` on a Core over a new in-memory store
+    with one bucket, "bucket" (see `open_core`); `cfg`: MountConfig fields. The committer is shut
+    down afterwards, finishing what is left to commit (`drain`) or not. Returns the store."""
+    import trio
+
+    from ucfs.config import MountConfig
+    from ucfs.store import MemoryStore
+
+    inner = MemoryStore()
+    inner.buckets["bucket"] = {}
+    (tmp_path / "state").mkdir(mode=0o700)
+    config = MountConfig(cache_dir=tmp_path / "state" / "cache", **cfg)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, inner, n, config)
+            await body(core, committer, vol, inner)
+            await committer.shutdown(drain=drain)
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+    return inner

@@ -18,30 +18,15 @@ import pytest
 import trio
 
 from ucfs import commit as commit_mod
-from ucfs.config import MountConfig
-from ucfs.store import MemoryStore
 
-from tests.support import open_core
+from tests.support import run_on_core
 
 TTL = 0.3
 CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
 
 
 def _run(tmp_path, body):
-    inner = MemoryStore()
-    inner.buckets["bucket"] = {}
-    (tmp_path / "state").mkdir(mode=0o700)
-    cfg = MountConfig(cache_dir=tmp_path / "state" / "cache", metadata_ttl_s=TTL)
-
-    async def main():
-        async with trio.open_nursery() as n:
-            core, committer, vol = await open_core(tmp_path, inner, n, cfg)
-            await body(core, committer, vol, inner)
-            await committer.shutdown(drain=True)
-            n.cancel_scope.cancel()
-
-    trio.run(main)
-    return inner
+    return run_on_core(tmp_path, body, metadata_ttl_s=TTL)
 
 
 def _heads(inner):

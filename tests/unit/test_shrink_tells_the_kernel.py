@@ -18,13 +18,10 @@ import errno
 import os
 
 import pytest
-import trio
 
 from ucfs import commit as commit_mod
-from ucfs.config import MountConfig
-from ucfs.store import MemoryStore
 
-from tests.support import open_core
+from tests.support import run_on_core
 
 CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
 V1 = bytes(range(256)) * 378 + b"tail"  # 96,772 bytes, no zeros at its end
@@ -69,20 +66,7 @@ class Kernel:
 def _run(tmp_path, monkeypatch, body):
     # Closed versions wait for their commit, so the file stays staged throughout.
     monkeypatch.setattr(commit_mod, "COMMIT_SETTLE_S", 30.0)
-    inner = MemoryStore()
-    inner.buckets["bucket"] = {}
-    (tmp_path / "state").mkdir(mode=0o700)
-    cfg = MountConfig(cache_dir=tmp_path / "state" / "cache", metadata_ttl_s=30.0)
-
-    async def main():
-        async with trio.open_nursery() as n:
-            core, committer, vol = await open_core(tmp_path, inner, n, cfg)
-            await body(core, committer, vol, inner)
-            await committer.shutdown(drain=False)
-            n.cancel_scope.cancel()
-
-    trio.run(main)
-    return inner
+    return run_on_core(tmp_path, body, drain=False, metadata_ttl_s=30.0)
 
 
 async def _closed(core, vol, name: str, data: bytes) -> int:
