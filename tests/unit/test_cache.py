@@ -50,6 +50,35 @@ def test_a_segment_holds_consecutive_blocks(tmp_path):
     assert c.statistics()["segments"] == 1 and c.statistics()["blocks"] == 8
 
 
+def test_consecutive_blocks_are_read_into_the_callers_buffer_across_segments(tmp_path):
+    c = make(tmp_path)
+    data = os.urandom(11 * MiB - 100)  # two segments of a part each and one short one, last block short
+    for first in (0, 4, 8):  # blocks 0-3, 4-7 and 8-10
+        assert c.put_blocks(v(), first, data[first * MiB:(first + 4) * MiB])
+    buf = bytearray(9 * MiB - 100)  # blocks 2-10: the end of one segment, all of the next two
+    assert c.get_blocks(v(), 2, memoryview(buf)) == [True] * 9
+    assert buf == data[2 * MiB:]
+    assert c.statistics()["hits"] == 9 and c.statistics()["hit_bytes"] == len(buf)
+    # A block the cache does not hold is reported missing; the others still arrive.
+    c._remove(c._blocks[(v().digest, 4)])
+    buf = bytearray(6 * MiB)
+    assert c.get_blocks(v(), 2, memoryview(buf)) == [True, True, False, False, False, False]
+    assert buf[:2 * MiB] == data[2 * MiB:4 * MiB]
+    assert c.get_blocks(v(etag="e2"), 2, memoryview(buf)) == [False] * 6  # another version
+
+
+def test_a_damaged_block_read_with_its_neighbours_drops_their_segment(tmp_path):
+    c = make(tmp_path)
+    data = os.urandom(8 * MiB)
+    c.put_blocks(v(), 0, data)
+    path = seg_path(c, v(), 0)
+    raw = bytearray(path.read_bytes())
+    raw[HEADER_BYTES + 5 * MiB + 10] ^= 0xFF  # a flipped bit in block 5
+    path.write_bytes(bytes(raw))
+    assert c.get_blocks(v(), 0, memoryview(bytearray(8 * MiB))) == [False] * 8
+    assert not path.exists() and c.statistics()["corrupt"] == 1
+
+
 def test_damaged_block_is_detected_and_dropped(tmp_path):
     c = make(tmp_path)
     data = os.urandom(4 * MiB)
