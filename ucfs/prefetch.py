@@ -223,14 +223,21 @@ class BufferPool:
         self.discarded = 0
         self.trimmed = 0
 
+    def take(self, n: int) -> mmap.mmap | None:
+        """An idle buffer for n bytes, now, if the pool has one and n is worth pooling."""
+        if self._free and self.buffer_bytes // 2 <= n <= self.buffer_bytes:
+            self.reused += 1
+            return self._free.pop()
+        return None
+
     async def acquire(self, n: int) -> mmap.mmap | None:
         """A buffer of at least n bytes, or None for requests too small to be worth pooling."""
         if n > self.buffer_bytes or n < self.buffer_bytes // 2:
             self.trim()  # the caller allocates memory of its own, reserved already
             return None
-        if self._free:
-            self.reused += 1
-            return self._free.pop()
+        buf = self.take(n)
+        if buf is not None:
+            return buf
         # In a thread: mmap and madvise take the process's memory-map lock for writing, and wait
         # for whatever holds it (another thread's page faults or page pinning, say). In the bench's
         # 1 GiB write the event loop stalled for 110-160 ms once a run (caught in madvise) while
@@ -239,7 +246,7 @@ class BufferPool:
 
     def trim(self) -> None:
         """Let idle buffers go while they and the data in use together exceed the budget. Called
-        where memory outside the pool is about to be used (blocks read from the disk cache, small
+        where memory outside the pool is about to be used (short runs read from the disk cache, small
         GETs): a pool filled by a cold read sat beside a warm one's blocks, up to twice the budget."""
         budget = self.budget
         while self._free and budget.used_bytes + len(self._free) * self.buffer_bytes > budget.capacity_bytes:
@@ -507,33 +514,32 @@ class ObjectReader:
                 j = forced_end
                 if j == i:
                     return i
-            if cached and self.pool is not None:
-                # Reserved for memory outside the pool (blocks read from the disk cache): idle
-                # pooled buffers that no longer fit beside it go. (A GET too small for the pool
-                # trims when it asks the pool, `BufferPool.acquire`.)
-                self.pool.trim()
             run = [_Block(k) for k in range(i, j)]
             for blk in run:
                 blk.reserved = min((blk.index + 1) * self.B, self.size) - blk.index * self.B
                 self.blocks[blk.index] = blk
-            self.nursery.start_soon(self._fetch, run, cached)
+            # A pooled buffer idle now goes to this run at once, as the budget just counted its
+            # memory: left in the pool until the fetch starts, it would be counted twice meanwhile.
+            buf = self.pool.take(min(j * self.B, self.size) - i * self.B) if self.pool is not None else None
+            self.nursery.start_soon(self._fetch, run, cached, buf)
             i = j
         return stop
 
     # -- fetching -----------------------------------------------------------------------------
-    async def _fetch(self, run: list[_Block], from_cache: bool) -> None:
+    async def _fetch(self, run: list[_Block], from_cache: bool, buf: mmap.mmap | None = None) -> None:
+        """Bring the run's blocks into memory; `buf`, a pooled buffer for them taken already."""
         fetched: list[tuple[list[_Block], memoryview, _Run | None]] = []
         with trio.CancelScope() as scope:
             # close() cancels what is still on its way; data that has arrived is cached regardless.
             self._cancel_scopes.add(scope)
             try:
                 if from_cache:
-                    missing = await self._load_cached(run)
+                    missing = await self._load_cached(run, buf)
                     # Evicted or damaged since we looked: fetch those from the store.
                     for sub in _contiguous(missing):
                         fetched.append((sub, *await self._get(sub)))
                 else:
-                    fetched.append((run, *await self._get(run)))
+                    fetched.append((run, *await self._get(run, buf)))
             except BaseException as e:  # Cancelled too: no waiter may hang, no budget may leak
                 self._abandon(run, e)
                 if isinstance(e, trio.Cancelled) or not isinstance(e, Exception):
@@ -565,7 +571,43 @@ class ObjectReader:
             elif not blk.cached:
                 self._cached(blk)  # give up on caching it; memory goes back when it is dropped
 
-    async def _load_cached(self, run: list[_Block]) -> list[_Block]:
+    async def _load_cached(self, run: list[_Block], buf: mmap.mmap | None = None) -> list[_Block]:
+        """Read the run's blocks from the disk cache; returns those it no longer has.
+
+        A run big enough for the pool is read into a pooled buffer (`buf`, or one acquired now), in
+        one call to a disk thread, and its blocks share that buffer as a GET's do. (Smaller runs
+        take memory of their own, block by block; `BufferPool.acquire` makes room for it.)"""
+        length = min((run[-1].index + 1) * self.B, self.size) - run[0].index * self.B
+        if buf is None and self.pool is not None:
+            buf = await self.pool.acquire(length)
+        if buf is None:
+            return await self._load_cached_blocks(run)
+        view = memoryview(buf)[:length]
+        try:
+            found = await run_disk(self.cache.get_blocks, self.version, run[0].index, view)
+        except BaseException:
+            del view
+            self.pool.release(buf)
+            raise
+        # Each block found holds the run, and so does this call until it has handed them out.
+        r = _Run(buf, sum(found) + 1, view=view, first=run[0].index)
+        missing = []
+        for k, blk in enumerate(run):
+            if not found[k]:
+                missing.append(blk)
+                continue
+            self.stats["cache_hit_blocks"] += 1
+            blk.data = view[k * self.B:(k + 1) * self.B]
+            blk.run = r
+            r.reserved += blk.reserved
+            blk.reserved = 0
+            blk.cached = True
+            self._ready(blk)
+        del view
+        self._unref(r)
+        return missing
+
+    async def _load_cached_blocks(self, run: list[_Block]) -> list[_Block]:
         missing = []
         for blk in run:
             data = await run_disk(self.cache.get_block, self.version, blk.index)
@@ -578,12 +620,14 @@ class ObjectReader:
             self._ready(blk)
         return missing
 
-    async def _get(self, run: list[_Block]) -> tuple[memoryview, _Run]:
+    async def _get(self, run: list[_Block], buf: mmap.mmap | None = None) -> tuple[memoryview, _Run]:
+        """One ranged GET of the run's blocks, into `buf` or a buffer from the pool."""
         start = run[0].index * self.B
         length = min((run[-1].index + 1) * self.B, self.size) - start
         self.gets += 1
         self.stats["gets"] += 1
-        buf = await self.pool.acquire(length) if self.pool is not None else None
+        if buf is None and self.pool is not None:
+            buf = await self.pool.acquire(length)
         try:
             data, info = await self.store.get(self.bucket, self.key, start, length, etag=self.version.etag,
                                               into=buf)

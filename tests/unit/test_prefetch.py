@@ -478,6 +478,43 @@ def test_idle_pooled_buffers_and_data_in_use_together_stay_in_the_budget(cfg, ca
     assert peak <= cfg.readahead_budget_bytes + 2 * cfg.block_bytes, peak / MiB
 
 
+def test_a_reread_from_the_disk_cache_comes_in_whole_parts_into_pooled_buffers(cfg, cache):
+    """A second epoch from the disk cache read each block into a fresh 1 MiB buffer, one disk
+    thread call per block: in a re-read after a remount the page faults of those buffers took the
+    disk threads more time than the reads. Whole parts now come in one call each, into the
+    buffers the cold read left in the pool, and their blocks share them as a GET's do."""
+    store = PooledStore()
+    data = make_object(store, 64 * MiB)
+    budget = MemoryBudget(cfg.readahead_budget_bytes)
+    pool = prefetch.BufferPool(cfg.part_bytes, budget)
+    calls = {"get_block": 0, "get_blocks": 0}
+    for name in calls:
+        def counted(*a, _f=getattr(cache, name), _n=name):
+            calls[_n] += 1
+            return _f(*a)
+        setattr(cache, name, counted)
+
+    async def read_all():
+        async with trio.open_nursery() as n:
+            r = await open_reader(store, cache, cfg, n, budget=budget)
+            r.pool = pool
+            for off in range(0, len(data), 128 * KiB):
+                assert bytes(await r.read(off, 128 * KiB)) == data[off:off + 128 * KiB]
+            r.close()
+            return r.stats
+
+    run(read_all)  # cold: ranged GETs into pooled buffers, written to the disk cache
+    gets, reused, faults = len(store.ranges), pool.reused, dict(calls)
+    stats = run(read_all)  # warm: every block from the disk cache
+    assert len(store.ranges) == gets  # no GET
+    assert stats["cache_hit_blocks"] == 64
+    parts = calls["get_blocks"] - faults["get_blocks"]
+    assert parts <= 64 * MiB // cfg.part_bytes + 1, calls
+    # Only the first part, while the window ramps up to whole parts, comes block by block.
+    assert calls["get_block"] - faults["get_block"] <= cfg.part_bytes // cfg.block_bytes, calls
+    assert pool.reused - reused >= parts - 1, (pool.reused, reused, parts)
+
+
 class CutShortStore(PooledStore):
     """PooledStore whose first ranged GET fails part-way through its body, as a reset connection
     does: the failing call still holds a view of the buffer it was reading into."""
