@@ -23,6 +23,12 @@ objects) go through the page cache all the same: a direct write of 150 KiB waits
 worker thread and costs a bounce buffer, and a 64-way copy of such files out of the mount read
 ~10 % faster with buffered writes, whose writeback the kernel batches (`SMALL_SEGMENT_BYTES`).
 
+Reads of whole parts (`get_blocks` into the read path's page-aligned pooled buffers) are direct too:
+the mount's own page cache holds what a reader got, and a second copy in the page cache of the
+segment files doubled the memory a re-read took, in fresh pages. A 1 GiB re-read after a remount
+went from 0.5-1.4 GB/s (buffered reads into a fresh buffer per block) to 2.0-2.3 GB/s, with the disk
+threads at 0.01-0.12 CPU-s instead of 0.5-1.5. Single blocks still come through the page cache.
+
 Index. Which blocks exist, in which segment, and how recently each segment was used, lives in memory
 and is loaded lazily: the mount never waits for it. The first lookup in one of the 256 subdirectories
 lists that subdirectory; a background scan loads the rest, oldest first. Eviction removes whole
@@ -284,7 +290,8 @@ class BlockCache:
         got = self._read_segment(version, name, index, None)
         return None if got is None else bytes(got)
 
-    def get_blocks(self, version: ObjectVersion, first: int, into: memoryview) -> list[bool]:
+    def get_blocks(self, version: ObjectVersion, first: int, into: memoryview, *,
+                   aligned: bool = False) -> list[bool]:
         """Blocks `first`, `first + 1`, ... read into `into`, block k at k * block_bytes; as many as
         `into` holds, the last of them as short as the object's last block. Returns, per block,
         whether it was there (a damaged segment is deleted and its blocks missing).
@@ -308,22 +315,26 @@ class BlockCache:
             else:
                 while j < count and names[j] == name:
                     j += 1
-                if self._read_segment(version, name, first + k, into[k * B:min(j * B, len(into))]) is not None:
+                part = into[k * B:min(j * B, len(into))]
+                if self._read_segment(version, name, first + k, part, aligned) is not None:
                     found[k:j] = [True] * (j - k)
             k = j
         return found
 
-    def _read_segment(self, version: ObjectVersion, name: str, index: int,
-                      into: memoryview | None) -> bytes | memoryview | None:
+    def _read_segment(self, version: ObjectVersion, name: str, index: int, into: memoryview | None,
+                      aligned: bool = False) -> bytes | memoryview | None:
         """Blocks of segment `name` from block `index` on: into `into` (its length says how many
         bytes), or with `into` None the one block `index` in a new buffer. Each block read is checked
-        against its checksum. None when the segment is gone, damaged or unreadable (then deleted)."""
+        against its checksum. None when the segment is gone, damaged or unreadable (then deleted).
+        `aligned`: `into` is page-aligned memory, so whole pages of it are read with O_DIRECT."""
         d = version.digest
         _, first, count = _parse_name(name)  # type: ignore[misc]
         failure: OSError | None = None
         got: bytes | memoryview | None = None
+        direct = aligned and self._direct and into is not None and len(into) % _ALIGN == 0
         try:
-            fd = os.open(self._path(name), os.O_RDONLY)
+            fd = self._open_for_reading(name, direct)
+            direct = direct and self._direct
         except FileNotFoundError:
             self._forget(name)
             self._stats["misses"] += 1
@@ -333,7 +344,12 @@ class BlockCache:
         try:
             checked = None
             if fd is not None:
-                checked = self._check_header(os.pread(fd, HEADER_BYTES, 0), d, first, count)
+                if direct:
+                    page = self._header_page()
+                    header = page[:] if os.preadv(fd, [page], 0) == HEADER_BYTES else b""
+                else:
+                    header = os.pread(fd, HEADER_BYTES, 0)
+                checked = self._check_header(header, d, first, count)
             if checked is not None:
                 length, sums = checked
                 off = (index - first) * self.block_bytes
@@ -370,6 +386,17 @@ class BlockCache:
         self._stats["hits"] += nblocks
         self._stats["hit_bytes"] += len(got)
         return got
+
+    def _open_for_reading(self, name: str, direct: bool) -> int:
+        if direct:
+            try:
+                return os.open(self._path(name), os.O_RDONLY | os.O_DIRECT)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                log.info("%s does not take O_DIRECT; reading cache blocks through the page cache", self.root)
+                self._direct = False
+        return os.open(self._path(name), os.O_RDONLY)
 
     def _sums_match(self, data: bytes | memoryview, sums: tuple[int, ...], k0: int) -> bool:
         """Whether each block of `data` (segment blocks k0, k0 + 1, ...) has its checksum."""

@@ -584,7 +584,7 @@ class ObjectReader:
             return await self._load_cached_blocks(run)
         view = memoryview(buf)[:length]
         try:
-            found = await run_disk(self.cache.get_blocks, self.version, run[0].index, view)
+            found = await run_disk(self._read_cached, view, run[0].index)
         except BaseException:
             del view
             self.pool.release(buf)
@@ -606,6 +606,12 @@ class ObjectReader:
         del view
         self._unref(r)
         return missing
+
+    def _read_cached(self, view: memoryview, first: int) -> list[bool]:
+        # A pooled buffer is page-aligned: the cache reads into it directly from the disk, so the
+        # blocks are not kept a second time in the page cache of its files (the kernel's cache of
+        # this file holds them already, once they are read).
+        return self.cache.get_blocks(self.version, first, view, aligned=True)
 
     async def _load_cached_blocks(self, run: list[_Block]) -> list[_Block]:
         missing = []

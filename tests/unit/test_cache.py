@@ -133,6 +133,76 @@ def test_small_segments_go_through_the_page_cache(tmp_path, monkeypatch):
         assert flags[1] & direct
 
 
+def resident_pages(path) -> int:
+    """Pages of the file at `path` that are in the page cache (mincore(2) of a mapping of it)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        m = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    try:
+        pages = -(-size // mmap.PAGESIZE)
+        vec = (ctypes.c_ubyte * pages)()
+        base = ctypes.c_char.from_buffer(m)
+        try:
+            if libc.mincore(ctypes.c_void_p(ctypes.addressof(base)), ctypes.c_size_t(size), vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore")
+        finally:
+            del base
+        return sum(b & 1 for b in vec)
+    finally:
+        m.close()
+
+
+def test_blocks_read_into_aligned_memory_skip_the_page_cache(tmp_path):
+    """The read path's pooled buffers are page-aligned: the cache reads into them straight from the
+    disk, so a block read once is not held twice in memory (by the mount's own page cache and by
+    its segment file's)."""
+    import mmap
+
+    c = make(tmp_path)
+    data = os.urandom(8 * MiB)
+    assert c.put_blocks(v(), 0, data)
+    if not c._direct:
+        pytest.skip("this file system does not take O_DIRECT")
+    path = seg_path(c, v(), 0)
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    buf = mmap.mmap(-1, 8 * MiB)
+    with memoryview(buf) as view:
+        assert c.get_blocks(v(), 0, view, aligned=True) == [True] * 8
+    assert buf[:] == data
+    assert resident_pages(path) == 0
+    # Memory of unknown alignment is read through the page cache, as before.
+    plain = bytearray(8 * MiB)
+    assert c.get_blocks(v(), 0, memoryview(plain)) == [True] * 8 and plain == data
+    assert resident_pages(path) > 0
+
+
+def test_a_file_system_refusing_o_direct_still_serves_blocks(tmp_path, monkeypatch):
+    import mmap
+
+    c = make(tmp_path)
+    data = os.urandom(4 * MiB)
+    assert c.put_blocks(v(), 0, data)
+    real_open = os.open
+
+    def no_direct(path, fl, *args):
+        if fl & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, fl, *args)
+
+    monkeypatch.setattr(cache_mod.os, "open", no_direct)
+    buf = mmap.mmap(-1, 4 * MiB)
+    with memoryview(buf) as view:
+        assert c.get_blocks(v(), 0, view, aligned=True) == [True] * 4
+    assert buf[:] == data and not c._direct
+    assert c.statistics().get("corrupt", 0) == 0
+
+
 def test_truncated_segment_is_detected(tmp_path):
     c = make(tmp_path)
     c.put_blocks(v(), 0, os.urandom(2 * MiB))

@@ -489,9 +489,9 @@ def test_a_reread_from_the_disk_cache_comes_in_whole_parts_into_pooled_buffers(c
     pool = prefetch.BufferPool(cfg.part_bytes, budget)
     calls = {"get_block": 0, "get_blocks": 0}
     for name in calls:
-        def counted(*a, _f=getattr(cache, name), _n=name):
+        def counted(*a, _f=getattr(cache, name), _n=name, **kw):
             calls[_n] += 1
-            return _f(*a)
+            return _f(*a, **kw)
         setattr(cache, name, counted)
 
     async def read_all():
