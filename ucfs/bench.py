@@ -64,9 +64,9 @@ log = logging.getLogger(__name__)
 # Phases in the order they run. Each one is a name `--skip` accepts; `--skip ceiling` skips every
 # `ceiling.*`, `--skip mount` every `mount.*`, `--skip write` the write phases.
 PHASES = ("setup", "ceiling.read", "ceiling.read_keep", "ceiling.small_get", "mount.cold_read",
-          "mount.warm_read", "mount.ls_cold", "mount.small_serial", "mount.small_parallel", "ceiling.put",
-          "ceiling.local_write", "ceiling.write_pair", "mount.write", "ceiling.small_put",
-          "mount.small_write")
+          "mount.warm_read", "mount.remount_read", "mount.ls_cold", "mount.small_serial",
+          "mount.small_parallel", "ceiling.put", "ceiling.local_write", "ceiling.write_pair", "mount.write",
+          "ceiling.small_put", "mount.small_write")
 WRITE_PHASES = ("ceiling.put", "ceiling.local_write", "ceiling.write_pair", "mount.write",
                 "ceiling.small_put", "mount.small_write")
 
@@ -651,13 +651,15 @@ class BenchMount:
         self.env = env
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout_s: float = 60) -> "BenchMount":
+    def start(self, timeout_s: float = 60, *, keep_cache: bool = False) -> "BenchMount":
+        """Mount; with `keep_cache`, on the disk cache the previous start of this mount left."""
         _lazy_unmount(self.mountpoint)  # left over from a run that was killed: it is ours
         try:
             self.mountpoint.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise BenchError(f"mountpoint {self.mountpoint}: {e.strerror}") from None
-        shutil.rmtree(self.state_dir, ignore_errors=True)  # fresh, empty cache every time
+        if not keep_cache:
+            shutil.rmtree(self.state_dir, ignore_errors=True)  # fresh, empty cache every time
         with open(self.log_path, "ab") as logf:
             # Own session: a Ctrl-C meant for the bench must not reach the daemon, which we unmount
             # ourselves, in order. --no-drain: we wait for commits explicitly where we measure them.
@@ -763,8 +765,9 @@ class BenchMount:
             return "(no log)"
         return " | ".join(lines) + f" (log: {self.log_path})"
 
-    def stop(self, *, timeout_s: float = 30) -> None:
-        """Unmount the way a user does; fall back to a lazy unmount and a kill if the daemon hangs."""
+    def stop(self, *, timeout_s: float = 30, keep_cache: bool = False) -> None:
+        """Unmount the way a user does; fall back to a lazy unmount and a kill if the daemon hangs.
+        With `keep_cache`, the disk cache stays for the next start."""
         if self.proc is None:
             return
         with _sigint_deferred():
@@ -787,7 +790,8 @@ class BenchMount:
             finally:
                 self.proc = None
                 _lazy_unmount(self.mountpoint)
-                self.discard(self.state_dir)
+                if not keep_cache:
+                    self.discard(self.state_dir)
 
 
 def _is_mounted(path: Path) -> bool:
@@ -1011,7 +1015,7 @@ class Bench:
         self._phase("ceiling.read", self.ceiling_read)
         self._phase("ceiling.read_keep", self.ceiling_read_keep)
         self._phase("ceiling.small_get", self.ceiling_small_get)
-        if self.o.wants("mount.cold_read") or self.o.wants("mount.warm_read"):
+        if any(self.o.wants(p) for p in ("mount.cold_read", "mount.warm_read", "mount.remount_read")):
             self._phase("mount.read", self.mount_reads, always=True)
         self._phase("mount.ls_cold", self.mount_ls_cold)
         self._phase("mount.small_serial", self.mount_small_serial)
@@ -1495,6 +1499,32 @@ class Bench:
                 self._figure(_ratio_figure("mount.warm_read", warm, "MB/s", cold_ref, at_least=3,
                                            note="ceiling column: the cold read"), seconds=dt2, requests=req)
             self._verify_large(path)
+            if self.o.wants("mount.remount_read"):
+                self._remount_read(m, dd, cold if self.o.wants("mount.cold_read") else None)
+
+    def _remount_read(self, m: BenchMount, dd: list[str], cold: float | None) -> None:
+        """The same read again after an unmount and a mount on the same disk cache: the kernel's page
+        cache of the file went with the unmount, so every byte comes from the disk cache, and not one
+        GET may reach the store (the next epoch after a restart of the daemon)."""
+        o = self.o
+        self.mount_pids.pop(m.proc.pid, None)
+        m.stop(keep_cache=True)
+        m.start(keep_cache=True)
+        self.mount_pids[m.proc.pid] = "ucfs mount"
+        r0, t0, cpu0 = m.requests(), m.thread_cpu(), CpuReading.now()
+        dt, _ = _run_timed(dd, "mount.remount_read", mount=m)
+        self._note_cpu("mount.remount_read", cpu0)
+        self._note_daemon(m, "mount.remount_read", t0)
+        req = _request_delta(r0, m.requests())
+        if req.get("get"):
+            raise BenchError(f"mount.remount_read: {req['get']} GETs reached the store; the disk cache "
+                             f"should have served every block (mount log: {m.log_tail(5)})")
+        rate = o.size / dt / 1e6
+        say(f"mount.remount_read: {_fmt_bytes(o.size)} in {dt:.2f} s = {rate:.0f} MB/s "
+            f"(requests: {_fmt_requests(req)})")
+        self._figure(_ratio_figure("mount.remount_read", rate, "MB/s", cold,
+                                   note="no target: after a remount, from the disk cache; ceiling column: "
+                                        "the cold read"), seconds=dt, requests=req)
 
     def _note_daemon(self, m: BenchMount, name: str, since: ThreadCpu, files: int = 0) -> None:
         """Where the daemon's CPU went during a read, and how its read path ran: what to look at
@@ -1687,10 +1717,10 @@ class Bench:
         o = self.o
         load_end = os.getloadavg()
         bounds = _bounds_text(self.figures, self.details)
-        order = ["ceiling.read", "ceiling.read_keep", "mount.cold_read", "mount.warm_read", "ceiling.small_get", "mount.small_serial",
-                 "mount.small_parallel", "mount.ls_cold", "ceiling.local_write", "ceiling.put", "ceiling.write_pair.local",
-                 "ceiling.write_pair.put", "mount.write.close",
-                 "mount.write.commit", "ceiling.small_put", "mount.small_write.closed",
+        order = ["ceiling.read", "ceiling.read_keep", "mount.cold_read", "mount.warm_read", "mount.remount_read",
+                 "ceiling.small_get", "mount.small_serial", "mount.small_parallel", "mount.ls_cold",
+                 "ceiling.local_write", "ceiling.put", "ceiling.write_pair.local", "ceiling.write_pair.put",
+                 "mount.write.close", "mount.write.commit", "ceiling.small_put", "mount.small_write.closed",
                  "mount.small_write.committed"]
         figures = [self.figures[n] for n in order if n in self.figures]
         where = f"{self.direct.url}" + (" (RGW started by the bench)" if self.rgw is not None else "")

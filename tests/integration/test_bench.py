@@ -104,6 +104,10 @@ def test_a_small_bench_runs_every_phase_and_reports_ratios(s3_endpoint, bucket, 
                  "mount.small_write.committed"):
         assert figures[name]["value"] > 0 and figures[name]["ratio"] is not None, figures[name]
     assert figures["mount.ls_cold"]["value"] > 0
+    # After a remount the same read comes from the disk cache alone: no GET, and no target.
+    remount = figures["mount.remount_read"]
+    assert remount["value"] > 0 and remount["ceiling"] == figures["mount.cold_read"]["value"], remount
+    assert remount["passed"] is None and doc["details"]["mount.remount_read"]["requests"].get("get", 0) == 0
     # The bounds: measured beside the ceilings, compared with them, and what they imply printed.
     for name in ("ceiling.read_keep", "ceiling.write_pair.local", "ceiling.write_pair.put"):
         assert figures[name]["value"] > 0 and figures[name]["ratio"] is not None, figures[name]
