@@ -52,7 +52,7 @@ def test_a_segment_holds_consecutive_blocks(tmp_path):
 
 def test_consecutive_blocks_are_read_into_the_callers_buffer_across_segments(tmp_path):
     c = make(tmp_path)
-    data = os.urandom(11 * MiB - 100)  # two segments of a part each and one short one, last block short
+    data = os.urandom(11 * MiB - 100)  # segments of 4, 4 and 3 blocks, the last block short
     for first in (0, 4, 8):  # blocks 0-3, 4-7 and 8-10
         assert c.put_blocks(v(), first, data[first * MiB:(first + 4) * MiB])
     buf = bytearray(9 * MiB - 100)  # blocks 2-10: the end of one segment, all of the next two
