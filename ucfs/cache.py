@@ -287,8 +287,7 @@ class BlockCache:
         if name is None:
             self._stats["misses"] += 1
             return None
-        got = self._read_segment(version, name, index, None)
-        return None if got is None else bytes(got)
+        return self._read_segment(version, name, index, None)  # type: ignore[return-value]
 
     def get_blocks(self, version: ObjectVersion, first: int, into: memoryview, *,
                    aligned: bool = False) -> list[bool]:

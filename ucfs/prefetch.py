@@ -597,15 +597,21 @@ class ObjectReader:
                 missing.append(blk)
                 continue
             self.stats["cache_hit_blocks"] += 1
-            blk.data = view[k * self.B:(k + 1) * self.B]
-            blk.run = r
-            r.reserved += blk.reserved
-            blk.reserved = 0
+            self._share(blk, r, k)
             blk.cached = True
             self._ready(blk)
         del view
         self._unref(r)
         return missing
+
+    def _share(self, blk: _Block, r: _Run, k: int) -> None:
+        """The block is the k-th of run r: its data is that slice of the run's buffer, and its share
+        of the budget is the run's from now on (given back when the buffer goes)."""
+        assert r.view is not None
+        blk.data = r.view[k * self.B:(k + 1) * self.B]
+        blk.run = r
+        r.reserved += blk.reserved
+        blk.reserved = 0
 
     def _read_cached(self, view: memoryview, first: int) -> list[bool]:
         # A pooled buffer is page-aligned: the cache reads into it directly from the disk, so the
@@ -659,11 +665,7 @@ class ObjectReader:
         del data
         r = _Run(buf, len(run) + 1, view=view, first=run[0].index)  # each block, plus the cache write
         for k, blk in enumerate(run):
-            blk.data = view[k * self.B:(k + 1) * self.B]
-            blk.run = r
-            # The blocks share one buffer: its budget is the run's until the buffer goes.
-            r.reserved += blk.reserved
-            blk.reserved = 0
+            self._share(blk, r, k)
             self._ready(blk)
         return view, r
 
