@@ -2,7 +2,9 @@
 
 tar, cp and friends look at a file's times to decide whether it changed under them; these tests
 check that what the mount does behind the user's back (a commit, the store's description of the
-version it committed) does not look to them like a change.
+version it committed) does not look to them like a change. git and sqlite, which teams keep on
+shared volumes too, lean on renames over lock files, shared writable mappings, POSIX locks and
+fsync; their tests check the result on this host, in the store and on a second mount.
 """
 
 from __future__ import annotations
@@ -194,3 +196,116 @@ def test_df_shows_the_volume_unused_with_the_staging_disks_room_available(mount)
     assert int(size) >= 1 << 50
     usage = shutil.disk_usage(v)
     assert usage.used == 0 and abs(usage.free - staging_avail) < 64 * MiB
+
+
+def _git(*args: str, cwd) -> str:
+    r = subprocess.run(["git", "-c", "user.name=ucfs test", "-c", "user.email=test@ucfs.invalid",
+                        "-c", "init.defaultBranch=main", *args],
+                       cwd=cwd, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, f"git {' '.join(args)} in {cwd}: {r.stderr}"
+    return r.stdout
+
+
+def _fsync_dir(path) -> None:
+    """fsync of a directory on the mount: returns when everything pending beneath it is committed."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_a_git_repository_on_the_volume_is_shared_by_two_hosts(mount_factory, tmp_path, s3, bucket, prefix):
+    """A repository kept on a volume, as teams keep experiment code next to its data: git clones
+    into it, commits in it (lock files renamed over the index and refs, loose objects made by
+    link-or-rename), and another host that mounts the same volume sees the history, commits on
+    top, and the first host sees that commit in turn, with `git fsck --full` clean on both."""
+    origin = tmp_path / "origin"
+    origin.mkdir()
+    _git("init", "-q", cwd=origin)
+    for i in range(3):
+        (origin / f"train_{i}.py").write_text(f"print({i})\n" * (i + 1))
+        _git("add", ".", cwd=origin)
+        _git("commit", "-q", "-m", f"step {i}", cwd=origin)
+    a = mount_factory(name="a")
+    b = mount_factory(name="b")
+    _git("clone", "-q", str(origin), str(a.path() / "repo"), cwd=tmp_path)
+    repo_a, repo_b = a.path() / "repo", b.path() / "repo"
+    (repo_a / "train_0.py").write_text("print('edited on a')\n")
+    _git("commit", "-q", "-am", "edit on a", cwd=repo_a)
+    _fsync_dir(repo_a)
+    head = _git("rev-parse", "HEAD", cwd=repo_a).strip()
+    ref = s3.get_object(Bucket=bucket, Key=f"{prefix}/vol/repo/.git/refs/heads/main")["Body"].read()
+    assert ref.decode().strip() == head  # what the other host will read is in the store
+
+    assert wait_until(lambda: (repo_b / ".git").is_dir(), 5)
+    assert _git("rev-parse", "HEAD", cwd=repo_b).strip() == head
+    assert _git("status", "--porcelain", cwd=repo_b) == ""
+    _git("fsck", "--full", "--no-progress", cwd=repo_b)
+    assert (repo_b / "train_0.py").read_text() == "print('edited on a')\n"
+    (repo_b / "train_2.py").write_text("print('edited on b')\n")
+    _git("commit", "-q", "-am", "edit on b", cwd=repo_b)
+    _fsync_dir(repo_b)
+    head_b = _git("rev-parse", "HEAD", cwd=repo_b).strip()
+
+    # Within the metadata TTL, host a sees the new ref, the objects it names and the file.
+    assert wait_until(lambda: _git("rev-parse", "HEAD", cwd=repo_a).strip() == head_b, 5)
+    assert _git("log", "--format=%s", cwd=repo_a).splitlines()[:2] == ["edit on b", "edit on a"]
+    assert (repo_a / "train_2.py").read_text() == "print('edited on b')\n"
+    assert _git("status", "--porcelain", cwd=repo_a) == ""
+    _git("fsck", "--full", "--no-progress", cwd=repo_a)
+
+
+def _sqlite_writer(path: str, writer: int, rows: int) -> None:
+    import sqlite3
+
+    db = sqlite3.connect(path, timeout=60)
+    try:
+        for i in range(rows):
+            with db:  # one transaction (and one WAL fsync) per row
+                db.execute("INSERT INTO runs (writer, step) VALUES (?, ?)", (writer, i))
+    finally:
+        db.close()
+
+
+def test_a_sqlite_database_in_wal_mode_takes_writers_from_several_processes(mount_factory, s3, bucket, prefix):
+    """Experiment trackers (MLflow's and Optuna's sqlite back ends) keep a database next to the runs:
+    WAL mode maps its -shm file shared and writable, every commit fsyncs the -wal file, and
+    concurrent writers take turns through POSIX locks. Every row committed by every process is
+    there, the database checks out, and once the last connection is closed (the WAL folded in)
+    another host reads the same rows from the store."""
+    import multiprocessing
+    import sqlite3
+
+    a = mount_factory(name="a")
+    path = a.path() / "tracking" / "runs.db"
+    path.parent.mkdir()
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA journal_mode=WAL").fetchone()[0] == "wal"
+    db.execute("CREATE TABLE runs (id INTEGER PRIMARY KEY, writer INTEGER, step INTEGER)")
+    db.commit()
+    writers, rows = 3, 40
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_sqlite_writer, args=(str(path), w, rows)) for w in range(writers)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    counts = dict(db.execute("SELECT writer, COUNT(DISTINCT step) FROM runs GROUP BY writer"))
+    assert counts == {w: rows for w in range(writers)}
+    db.close()  # the last connection: the WAL is checkpointed into the database and removed
+    _fsync_dir(path.parent)
+    assert sorted(os.listdir(path.parent)) == ["runs.db"]
+    stored = s3.get_object(Bucket=bucket, Key=f"{prefix}/vol/tracking/runs.db")["Body"].read()
+    assert stored.startswith(b"SQLite format 3\0") and stored == path.read_bytes()
+
+    b = mount_factory(name="b")
+    other = sqlite3.connect(f"file:{b.path() / 'tracking' / 'runs.db'}?mode=ro", uri=True)
+    try:
+        assert other.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        assert other.execute("SELECT COUNT(*) FROM runs").fetchone()[0] == writers * rows
+    finally:
+        other.close()
