@@ -774,20 +774,22 @@ class Core:
                 self._refuse_superseded(node)
             append_only = _append_only(flags)
             staged = await self.committer.stage(node, truncate=bool(flags & os.O_TRUNC), append_only=append_only)
-            return self._staged_handle(node, staged, writable, append_only=append_only), False
+            return self._staged_handle(node, staged, writable, append_only=append_only,
+                                       direct=_direct(flags)), False
         if node.staged is not None:
-            return self._staged_handle(node, node.staged, False), False
+            return self._staged_handle(node, node.staged, False, direct=_direct(flags)), False
         if not node.attrs_fresh() and not node.deleted:
             await self._revalidate(node)
             self._refuse_superseded(node)
             if node.staged is not None:
                 # Written meanwhile, maybe by a passthrough writer, beside whom the kernel would
                 # refuse this open in page-cache mode (EIO): read what is staged, as it would.
-                return self._staged_handle(node, node.staged, False), False
+                return self._staged_handle(node, node.staged, False, direct=_direct(flags)), False
         return self.open_version(node)
 
-    def _staged_handle(self, node: Inode, staged, writable: bool, *, append_only: bool = False) -> int:
-        passthrough = self._may_passthrough(node, staged)
+    def _staged_handle(self, node: Inode, staged, writable: bool, *, append_only: bool = False,
+                       direct: bool = False) -> int:
+        passthrough = self._may_passthrough(node, staged, direct)
         staged.handles += 1
         if writable:
             staged.writers += 1
@@ -799,7 +801,7 @@ class Core:
             self.stats["passthrough_opens"] += 1
         return fh
 
-    def _may_passthrough(self, node: Inode, staged) -> bool:
+    def _may_passthrough(self, node: Inode, staged, direct: bool = False) -> bool:
         """Whether a new handle of a staged file opens in passthrough mode (ucfs.passthrough).
 
         The kernel fails an open with EIO if it would mix passthrough and page-cache opens of one
@@ -807,13 +809,18 @@ class Core:
         some of those we still count, never one we do not), never while any other handle is open,
         and otherwise for files whose content is new or changed (created, truncated, written): a
         passthrough writer's every close counts as a change, which would upload a file that was
-        merely opened for writing again."""
+        merely opened for writing again.
+
+        Not for an O_DIRECT open either, unless the kernel leaves no choice: it opens the backing
+        file with the flags of the open, and a later fcntl(F_SETFL) that clears O_DIRECT does not
+        reach that file. Its unaligned reads and writes, which the caller has just made legal
+        (GNU dd oflag=direct does so for a short last block), then fail with EINVAL."""
         pt = self.passthrough
         if pt is None or self.committer is None:
             return False
         if staged.pt_handles:
             return True
-        if node.opens or not staged.dirty or not pt.active:
+        if direct or node.opens or not staged.dirty or not pt.active:
             return False
         if staged.backing_id is None:
             staged.backing_id = pt.open_backing(staged.fd)
@@ -982,7 +989,7 @@ class Core:
         node.lookups += 1
         self.note_changed(node)
         fh = self._staged_handle(node, staged, (flags & os.O_ACCMODE) != os.O_RDONLY,
-                                 append_only=_append_only(flags))
+                                 append_only=_append_only(flags), direct=_direct(flags))
         self.stats["creates"] += 1
         return fh, self.attributes(node)
 
@@ -1582,6 +1589,10 @@ class Core:
         if self.passthrough is not None:
             out["passthrough"] = self.passthrough.statistics()
         return out
+
+
+def _direct(flags: int) -> bool:
+    return bool(flags & getattr(os, "O_DIRECT", 0))
 
 
 def _append_only(flags: int) -> bool:

@@ -16,6 +16,8 @@ What that changes, and how the rest of ucfs copes (see `commit.Committer`):
   - the kernel refuses to mix passthrough and page-cache opens of one inode (the open fails with EIO).
     So a file is opened in passthrough mode only while every open handle of it is a passthrough one,
     and then must be (`Core._may_passthrough`).
+  - the kernel opens its own backing file with the flags of the open, and fcntl(F_SETFL) on the
+    FUSE file does not reach it: an O_DIRECT open is not given passthrough while it has a choice.
 
 libfuse 3.14 (Debian 12) and pyfuse3 cannot ask for passthrough; `ucfs._fusewire` adds the two
 fields on the wire. Where the kernel does not offer it, or the staging directory cannot back a

@@ -8,6 +8,7 @@ of the suite covers the write path as it is without it. The last test runs that 
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
 import subprocess
@@ -193,6 +194,40 @@ def test_a_file_open_for_reading_keeps_its_writer_out_of_passthrough(mount, s3, 
         assert mount.status()["core"].get("passthrough_opens", 0) == 0
     fsync_path(p)
     assert obj(s3, bucket, key) == b"new" * 1000
+
+
+def test_a_writer_that_drops_o_direct_for_a_short_block_is_not_refused(mount, s3, bucket, prefix):
+    """GNU dd oflag=direct writes whole blocks with O_DIRECT and clears the flag (fcntl F_SETFL)
+    for a short last block, and any program may do the same for an unaligned write or read. The
+    kernel opens a passthrough file's backing file with the flags of the open, and F_SETFL does not
+    reach it: that last write failed with EINVAL, dd exited 1, and the file was committed without
+    its tail. An O_DIRECT open stays on the daemon's path, where the flag is the kernel's business
+    alone. (Runs whether or not the kernel offers passthrough: either way dd must succeed.)"""
+    data = os.urandom(5 * MiB + 12_345)
+    src = mount.root / "src.bin"
+    src.write_bytes(data)
+    p = mount.path() / "direct.bin"
+    r = subprocess.run(["dd", f"if={src}", f"of={p}", "bs=1M", "oflag=direct", "status=none"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert p.read_bytes() == data
+
+    # The same by hand, reads included: aligned direct I/O, then unaligned I/O without the flag.
+    q = mount.path() / "mixed.bin"
+    fd = os.open(q, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
+    try:
+        with mmap.mmap(-1, MiB) as buf:  # page-aligned, as O_DIRECT wants
+            buf[:] = data[:MiB]
+            assert os.pwrite(fd, buf, 0) == MiB
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+        assert os.pwrite(fd, data[MiB:MiB + 777], MiB) == 777
+        assert os.pread(fd, 1000, 333) == data[333:1333]
+    finally:
+        os.close(fd)
+    assert q.read_bytes() == data[:MiB + 777]
+    for name, want in (("direct.bin", data), ("mixed.bin", data[:MiB + 777])):
+        fsync_path(mount.path() / name)
+        assert obj(s3, bucket, f"{prefix}/vol/{name}") == want, name
 
 
 def test_without_passthrough_every_write_goes_through_the_daemon(mount_factory, s3, bucket, prefix):
