@@ -353,3 +353,35 @@ def test_mknod_of_a_regular_file_makes_an_empty_file(mount, s3, bucket, prefix):
         assert e.value.errno == errno.EPERM
     sync_dir(v)
     assert keys(s3, bucket, f"{prefix}/vol/") == [f"{prefix}/vol/empty.txt"]
+
+
+def test_what_the_store_cannot_keep_is_eopnotsupp_and_the_usual_fallbacks_work(mount, s3, bucket, prefix):
+    """Extended attributes, fallocate(2) and O_TMPFILE are refused with EOPNOTSUPP, the answer
+    programs know to fall back from: glibc's posix_fallocate then writes the range itself, and the
+    file it extended is committed at that size, zeros included."""
+    v = mount.path()
+    (v / "f.bin").write_bytes(b"head")
+    refused = {
+        "setxattr": lambda: os.setxattr(v / "f.bin", "user.origin", b"x"),
+        "getxattr": lambda: os.getxattr(v / "f.bin", "user.origin"),
+        "listxattr": lambda: os.listxattr(v / "f.bin"),
+        "fallocate": lambda: subprocess.run(["fallocate", "-l", "1M", str(v / "f.bin")], check=True,
+                                            capture_output=True),
+        "O_TMPFILE": lambda: os.close(os.open(v, os.O_TMPFILE | os.O_WRONLY, 0o600)),
+    }
+    for what, call in refused.items():
+        with pytest.raises((OSError, subprocess.CalledProcessError)) as e:
+            call()
+        if what == "fallocate":
+            assert "Operation not supported" in e.value.stderr.decode(), e.value.stderr
+        else:
+            assert e.value.errno == errno.EOPNOTSUPP, what
+    fd = os.open(v / "f.bin", os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, 100_000)
+    finally:
+        os.close(fd)
+    assert (v / "f.bin").read_bytes() == b"head" + bytes(100_000 - 4)
+    with open(v / "f.bin", "rb") as f:
+        os.fsync(f.fileno())
+    assert s3.get_object(Bucket=bucket, Key=f"{prefix}/vol/f.bin")["Body"].read() == b"head" + bytes(99_996)
