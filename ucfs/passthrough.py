@@ -18,6 +18,7 @@ What that changes, and how the rest of ucfs copes (see `commit.Committer`):
     and then must be (`Core._may_passthrough`).
   - the kernel opens its own backing file with the flags of the open, and fcntl(F_SETFL) on the
     FUSE file does not reach it: an O_DIRECT open is not given passthrough while it has a choice.
+    (An O_APPEND handle whose flag is cleared that way goes on appending; README, "Writes".)
 
 libfuse 3.14 (Debian 12) and pyfuse3 cannot ask for passthrough; `ucfs._fusewire` adds the two
 fields on the wire. Where the kernel does not offer it, or the staging directory cannot back a
