@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.support import keys, sync_dir, wait_until
+from tests.support import fsync_path, keys, sync_dir, wait_until
 
 libc = ctypes.CDLL(None, use_errno=True)
 AT_FDCWD = -100
@@ -382,6 +382,5 @@ def test_what_the_store_cannot_keep_is_eopnotsupp_and_the_usual_fallbacks_work(m
     finally:
         os.close(fd)
     assert (v / "f.bin").read_bytes() == b"head" + bytes(100_000 - 4)
-    with open(v / "f.bin", "rb") as f:
-        os.fsync(f.fileno())
+    fsync_path(v / "f.bin")
     assert s3.get_object(Bucket=bucket, Key=f"{prefix}/vol/f.bin")["Body"].read() == b"head" + bytes(99_996)

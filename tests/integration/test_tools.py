@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from tests.support import fsync_path, wait_until
+from tests.support import fsync_path, sync_dir, wait_until
 
 # Timestamps the kernel sets to "now" may trail time.time_ns() by up to a few clock ticks.
 COARSE_CLOCK_SLACK_NS = 20_000_000
@@ -206,15 +206,6 @@ def _git(*args: str, cwd) -> str:
     return r.stdout
 
 
-def _fsync_dir(path) -> None:
-    """fsync of a directory on the mount: returns when everything pending beneath it is committed."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_a_git_repository_on_the_volume_is_shared_by_two_hosts(mount_factory, tmp_path, s3, bucket, prefix):
     """A repository kept on a volume, as teams keep experiment code next to its data: git clones
@@ -234,7 +225,7 @@ def test_a_git_repository_on_the_volume_is_shared_by_two_hosts(mount_factory, tm
     repo_a, repo_b = a.path() / "repo", b.path() / "repo"
     (repo_a / "train_0.py").write_text("print('edited on a')\n")
     _git("commit", "-q", "-am", "edit on a", cwd=repo_a)
-    _fsync_dir(repo_a)
+    sync_dir(repo_a)
     head = _git("rev-parse", "HEAD", cwd=repo_a).strip()
     ref = s3.get_object(Bucket=bucket, Key=f"{prefix}/vol/repo/.git/refs/heads/main")["Body"].read()
     assert ref.decode().strip() == head  # what the other host will read is in the store
@@ -246,7 +237,7 @@ def test_a_git_repository_on_the_volume_is_shared_by_two_hosts(mount_factory, tm
     assert (repo_b / "train_0.py").read_text() == "print('edited on a')\n"
     (repo_b / "train_2.py").write_text("print('edited on b')\n")
     _git("commit", "-q", "-am", "edit on b", cwd=repo_b)
-    _fsync_dir(repo_b)
+    sync_dir(repo_b)
     head_b = _git("rev-parse", "HEAD", cwd=repo_b).strip()
 
     # Within the metadata TTL, host a sees the new ref, the objects it names and the file.
@@ -297,7 +288,7 @@ def test_a_sqlite_database_in_wal_mode_takes_writers_from_several_processes(moun
     counts = dict(db.execute("SELECT writer, COUNT(DISTINCT step) FROM runs GROUP BY writer"))
     assert counts == {w: rows for w in range(writers)}
     db.close()  # the last connection: the WAL is checkpointed into the database and removed
-    _fsync_dir(path.parent)
+    sync_dir(path.parent)
     assert sorted(os.listdir(path.parent)) == ["runs.db"]
     stored = s3.get_object(Bucket=bucket, Key=f"{prefix}/vol/tracking/runs.db")["Body"].read()
     assert stored.startswith(b"SQLite format 3\0") and stored == path.read_bytes()
