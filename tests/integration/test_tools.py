@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from tests.support import fsync_path, sync_dir, wait_until
+from tests.support import fsync_path, obj, sync_dir, wait_until
 
 # Timestamps the kernel sets to "now" may trail time.time_ns() by up to a few clock ticks.
 COARSE_CLOCK_SLACK_NS = 20_000_000
@@ -227,7 +227,7 @@ def test_a_git_repository_on_the_volume_is_shared_by_two_hosts(mount_factory, tm
     _git("commit", "-q", "-am", "edit on a", cwd=repo_a)
     sync_dir(repo_a)
     head = _git("rev-parse", "HEAD", cwd=repo_a).strip()
-    ref = s3.get_object(Bucket=bucket, Key=f"{prefix}/vol/repo/.git/refs/heads/main")["Body"].read()
+    ref = obj(s3, bucket, f"{prefix}/vol/repo/.git/refs/heads/main")
     assert ref.decode().strip() == head  # what the other host will read is in the store
 
     assert wait_until(lambda: (repo_b / ".git").is_dir(), 5)
@@ -290,7 +290,7 @@ def test_a_sqlite_database_in_wal_mode_takes_writers_from_several_processes(moun
     db.close()  # the last connection: the WAL is checkpointed into the database and removed
     sync_dir(path.parent)
     assert sorted(os.listdir(path.parent)) == ["runs.db"]
-    stored = s3.get_object(Bucket=bucket, Key=f"{prefix}/vol/tracking/runs.db")["Body"].read()
+    stored = obj(s3, bucket, f"{prefix}/vol/tracking/runs.db")
     assert stored.startswith(b"SQLite format 3\0") and stored == path.read_bytes()
 
     b = mount_factory(name="b")
