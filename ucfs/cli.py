@@ -126,6 +126,8 @@ def _mount_config(args) -> MountConfig:
         kw["readahead_budget_bytes"] = parse_size(args.memory_budget)
     if args.store_timeout is not None:
         kw["store_read_timeout_s"] = _seconds("--store-timeout", args.store_timeout, zero_ok=False)
+    if args.stale_if_error is not None:
+        kw["stale_if_error_s"] = _seconds("--stale-if-error", args.stale_if_error, zero_ok=True)
     if args.metrics_port:
         if not 0 < args.metrics_port < 65536:
             raise UcfsError(f"--metrics-port {args.metrics_port}: a TCP port is 1 to 65535")
@@ -420,6 +422,10 @@ def format_status(mnt: str, st: dict) -> str:
             "create_multipart", "complete_multipart", "abort_multipart", "list_multipart")))
         lines.append(f"  store {name}: {reqs}, {s.get('get_bytes', 0) / 2**20:.1f} MiB read, "
                      f"{s.get('put_bytes', 0) / 2**20:.1f} MiB written, retries {retries}, errors {s.get('errors', 0)}")
+        down = (st.get("unreachable") or {}).get(name)
+        if down:
+            lines.append(f"    unreachable for {down['for_s']:.0f} s; {down['answered_from_known']} lookups "
+                         "and stats answered from what was known meanwhile")
     pt = st.get("passthrough")
     if pt:
         if pt.get("active"):
@@ -466,6 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--memory-budget", help="file data held in memory, read-ahead and uploads (default 512M)")
     m.add_argument("--store-timeout", type=float, help="seconds before a silent store request is retried "
                    "(default 30)")
+    m.add_argument("--stale-if-error", type=float, metavar="SECONDS",
+                   help="while the store cannot be reached, answer lookups, stat and listings from what "
+                        "was last known, for up to this long (default 600; 0: fail with EIO)")
     m.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
     m.add_argument("--no-passthrough", action="store_true",
                    help="send every write through the daemon, even where the kernel could write files "

@@ -129,6 +129,13 @@ class MountConfig:
     # exponential backoff. Five attempts ride out a few seconds of trouble without hanging a reader.
     store_max_attempts: int = 5
 
+    # While the store cannot be reached (connections refused or broken, timeouts, 5xx once the retries
+    # are spent), lookups, stat and listings answer from what was last known for up to this many
+    # seconds of the outage, so a job whose data is cached keeps reading through a store's hiccup or
+    # restart instead of failing on metadata it already has. 0: they fail with EIO, as data reads
+    # the cache cannot serve always do.
+    stale_if_error_s: float = 600.0
+
     # Local disk cache.
     cache_dir: Path = dataclasses.field(default_factory=lambda: default_state_dir() / "cache")
     # Bytes of cached blocks kept at most (least recently used evicted first).
@@ -171,6 +178,8 @@ class MountConfig:
             raise ValueError("readahead_max_bytes must be at least part_bytes")
         if not math.isfinite(self.metadata_ttl_s) or self.metadata_ttl_s < 0:
             raise ValueError("metadata_ttl_s must be a finite number of seconds, not negative")
+        if not math.isfinite(self.stale_if_error_s) or self.stale_if_error_s < 0:
+            raise ValueError("stale_if_error_s must be a finite number of seconds, not negative")
         if not math.isfinite(self.store_read_timeout_s) or self.store_read_timeout_s <= 0:
             raise ValueError("store_read_timeout_s must be a finite number of seconds, more than 0")
 

@@ -57,6 +57,23 @@ REFRESH_AHEAD_MAX_LEAD = 0.5
 REFRESH_AHEAD_MAX_IN_FLIGHT = 4
 # Names remembered absent per directory (`Inode.absent`) before the expired ones are cleared out.
 ABSENT_NAMES_MAX = 4096
+# While a store cannot be reached, what was last known answers lookups, stat and listings (see
+# `Core._unreachable`), and the store is asked again after this long, doubling up to the maximum:
+# each try costs the caller who makes it the store's whole retry budget (about 1.5 s when
+# connections are refused), so a loader walking cached files pays that once in a while, not per file.
+RECHECK_FIRST_S = 1.0
+RECHECK_MAX_S = 15.0
+
+
+@dataclass(slots=True)
+class _Outage:
+    """A store that could not be reached: since when, and when to ask it again."""
+
+    since: float  # time.monotonic() of the first failure
+    failed_at: float  # and of the latest
+    ask_at: float
+    backoff: float
+    answered: int = 0  # answers given from what was known meanwhile
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +186,8 @@ class Core:
         self._removed_at: dict[tuple[int, str], float] = {}  # (parent inode, name) -> when
         # Directories whose background refresh is on its way (REFRESH_AHEAD_MAX_IN_FLIGHT).
         self._refreshing_ahead: set[Inode] = set()
+        # Stores whose metadata requests failed for want of an answer (store name -> _Outage).
+        self._outages: dict[str, _Outage] = {}
 
     def attach(self, nursery: trio.Nursery) -> None:
         """Background work (read-ahead, refreshes) runs in the mount's nursery."""
@@ -176,6 +195,84 @@ class Core:
 
     def store_for(self, volume: Volume) -> AsyncStore:
         return self.stores[volume.store.name]
+
+    # -- a store that cannot be reached ----------------------------------------------------------
+    def _outage(self, vol: Volume) -> _Outage | None:
+        """The outage of vol's store, unless the store has answered any request since its latest
+        failure (a read or a commit may be first to get through)."""
+        o = self._outages.get(vol.store.name)
+        if o is not None and getattr(self.store_for(vol).store, "answered_at", 0.0) > o.failed_at:
+            self._reachable(vol)
+            return None
+        return o
+
+    def _stale_allowed(self, vol: Volume) -> bool:
+        """May what was last known about vol's names stand in for the store's answer? Yes while its
+        store has been unreachable for at most `stale_if_error_s` (README "Semantics": Reads)."""
+        o = self._outage(vol)
+        return o is not None and time.monotonic() - o.since <= self.cfg.stale_if_error_s
+
+    def _skip_asking(self, vol: Volume) -> bool:
+        """Answer from what is known without asking? Yes while the store is down and not due to be
+        tried again; when it is due, this caller asks and the others go on answering meanwhile."""
+        if not self._stale_allowed(vol):
+            return False
+        o = self._outages[vol.store.name]
+        now = time.monotonic()
+        if now < o.ask_at:
+            return True
+        o.backoff = min(o.backoff * 2, RECHECK_MAX_S)
+        o.ask_at = now + o.backoff
+        return False
+
+    def _unreachable(self, vol: Volume, e: BaseException) -> bool:
+        """Note a failed metadata request. True if it failed for want of an answer (connections
+        refused or broken, timeouts, 5xx once the retries are spent) and what is known may answer
+        instead; a refusal (403) or a missing bucket is an answer, and is passed on."""
+        if not (isinstance(e, errors.StoreError) and e.transient and e.errno == errors.EIO):
+            return False
+        now, name = time.monotonic(), vol.store.name
+        o = self._outage(vol)
+        if o is None:
+            o = self._outages[name] = _Outage(now, now, now + RECHECK_FIRST_S, RECHECK_FIRST_S)
+            if self.cfg.stale_if_error_s > 0:
+                log.warning("store %r cannot be reached (%s): lookups, stat and listings answer from "
+                            "what was known, for up to %g s of outage; data not cached fails with EIO",
+                            name, e, self.cfg.stale_if_error_s)
+        else:
+            o.failed_at = now
+            o.ask_at = max(o.ask_at, now + o.backoff)
+        return self._stale_allowed(vol)
+
+    def _reachable(self, vol: Volume) -> None:
+        o = self._outages.pop(vol.store.name, None)
+        if o is not None:
+            log.warning("store %r answers again after %.1f s; %d answers were given from what was known "
+                        "meanwhile", vol.store.name, time.monotonic() - o.since, o.answered)
+
+    def _answer_stale(self, vol: Volume) -> None:
+        self.stats["stale_answers"] += 1
+        o = self._outages.get(vol.store.name)
+        if o is not None:
+            o.answered += 1
+
+    def _knows_child(self, parent: Inode, name: str) -> bool:
+        return name in parent.children_by_name or parent.listing is not None or name in parent.absent
+
+    def _stale_child(self, parent: Inode, name: str) -> Inode | None:
+        """parent/name as last known: its inode, its entry in the last listing, or absent."""
+        assert parent.volume is not None
+        self._answer_stale(parent.volume)
+        node = parent.children_by_name.get(name)
+        if node is not None:
+            return node
+        listing = parent.listing
+        if listing is None:
+            return None  # known absent (Inode.absent)
+        entry = listing.entries.get(name)
+        if entry is None:
+            return self._pending_local(parent, name, listing.as_of)
+        return self._apply_entry(parent, name, entry, listing.as_of)
 
     # -- local changes versus store answers ------------------------------------------------------
     def note_changed(self, node: Inode) -> None:
@@ -320,7 +417,14 @@ class Core:
             return existing
         listing = parent.listing
         if listing is not None and not listing.fresh(self.cfg.metadata_ttl_s) and self._should_relist(parent):
-            await self.refresh_listing(parent)
+            if self._skip_asking(vol):
+                return self._stale_child(parent, name)
+            try:
+                await self.refresh_listing(parent)
+            except errors.StoreError as e:
+                if not self._unreachable(vol, e):
+                    raise
+                return self._stale_child(parent, name)
             listing = parent.listing
         if listing is not None and listing.fresh(self.cfg.metadata_ttl_s):
             self._maybe_refresh_ahead(parent, listing)
@@ -338,8 +442,15 @@ class Core:
                 # asks the store nothing again.
                 self.stats["lookups_absent_known"] += 1
                 return self._pending_local(parent, name, absent_at)
-            del parent.absent[name]
-        entry, seen_at = await self._probe(vol, key)
+        if self._skip_asking(vol) and self._knows_child(parent, name):
+            return self._stale_child(parent, name)
+        try:
+            entry, seen_at = await self._probe(vol, key)
+        except errors.StoreError as e:
+            if not (self._unreachable(vol, e) and self._knows_child(parent, name)):
+                raise
+            return self._stale_child(parent, name)
+        parent.absent.pop(name, None)
         if entry is None or self._removed_since(parent, name, seen_at):
             if entry is None and name not in parent.children_by_name:
                 self._note_absent(parent, name, seen_at)
@@ -476,9 +587,19 @@ class Core:
             page = await store.list_page(vol.bucket, key + "/", max_keys=1)
             result["dir"] = bool(page.objects or page.prefixes)
 
-        async with trio.open_nursery() as n:
-            n.start_soon(head)
-            n.start_soon(list_dir)
+        try:
+            async with trio.open_nursery() as n:
+                n.start_soon(head)
+                n.start_soon(list_dir)
+        except BaseExceptionGroup as group:
+            # One store error speaks for the probe (a refusal before a lost connection), as a single
+            # request's would: callers tell an unreachable store from an answer by it.
+            failed, rest = group.split(errors.StoreError)
+            if failed is None or rest is not None:
+                raise
+            leaves = list(_leaves(failed))
+            raise min(leaves, key=lambda e: e.transient) from None
+        self._reachable(vol)
         if result.get("dir"):
             return Entry(True)
         info = result.get("head")
@@ -544,6 +665,8 @@ class Core:
                 # say the moved files do not exist, for a whole TTL. The new name is listed instead.
             self._overlay_local(parent, entries, started)
             parent.listing = Listing(entries, time.monotonic(), marker, asked_at=started)
+            assert parent.volume is not None
+            self._reachable(parent.volume)
             self._reconcile(parent, entries, started)
             return parent.listing
         finally:
@@ -629,8 +752,16 @@ class Core:
             entries = [(n, Kind.VOLUME) for n in names]
         else:
             listing = node.listing
-            if listing is None or not listing.fresh(self.cfg.metadata_ttl_s):
-                listing = await self.refresh_listing(node)
+            assert node.volume is not None
+            if listing is not None and not listing.fresh(self.cfg.metadata_ttl_s) and self._skip_asking(node.volume):
+                self._answer_stale(node.volume)
+            elif listing is None or not listing.fresh(self.cfg.metadata_ttl_s):
+                try:
+                    listing = await self.refresh_listing(node)
+                except errors.StoreError as e:
+                    if not self._unreachable(node.volume, e) or listing is None:
+                        raise
+                    self._answer_stale(node.volume)  # the last listing stands
             as_of = listing.as_of
             merged = dict(listing.entries)
             for name, child in node.children_by_name.items():
@@ -721,12 +852,18 @@ class Core:
             await parent.listing_refresh.wait()
             if node.attrs_fresh():
                 return
+        if self._skip_asking(node.volume):
+            self._answer_stale(node.volume)
+            return
         started = time.monotonic()
         try:
             info = await self.store_for(node.volume).head(node.volume.bucket, node.key)
         except errors.StoreError as e:
             if e.errno == errors.ENOENT and self._changed_since(node, started):
                 return  # committed by us while the HEAD was on its way
+            if self._unreachable(node.volume, e):
+                self._answer_stale(node.volume)
+                return  # what is known of it stands until the store answers again
             if e.errno == errors.ENOENT:
                 log.debug("revalidate %s: not in the store (HEAD sent at %.3f)", node.mount_path(), started)
                 # Deleted elsewhere. Existing handles keep what they have; new lookups see ENOENT,
@@ -739,6 +876,7 @@ class Core:
                     self.invalidate_entry(parent.ino, node.name)
                 raise errors.fs_error(errors.ENOENT, "deleted in the store") from None
             raise
+        self._reachable(node.volume)
         if self._changed_since(node, started):
             return  # we changed it while the HEAD was on its way: what we know is newer
         if self._outlived(node, info.etag):
@@ -1582,6 +1720,10 @@ class Core:
                      "buffers_trimmed": self.pool.trimmed,
                      "open_handles": len(self._handles)}
         out["stores"] = {name: s.store.statistics() for name, s in self.stores.items()}
+        now = time.monotonic()
+        out["unreachable"] = {name: {"for_s": round(now - o.since, 1), "answered_from_known": o.answered}
+                              for name, o in self._outages.items()
+                              if getattr(self.stores[name].store, "answered_at", 0.0) <= o.failed_at}
         if self.cache is not None:
             out["cache"] = self.cache.statistics()
         if self.committer is not None:
@@ -1589,6 +1731,14 @@ class Core:
         if self.passthrough is not None:
             out["passthrough"] = self.passthrough.statistics()
         return out
+
+
+def _leaves(group: BaseExceptionGroup) -> Iterator[Any]:
+    for e in group.exceptions:
+        if isinstance(e, BaseExceptionGroup):
+            yield from _leaves(e)
+        else:
+            yield e
 
 
 def _direct(flags: int) -> bool:

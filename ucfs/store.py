@@ -256,6 +256,9 @@ class S3Store:
         self.max_attempts = max_attempts
         self.payload_signing = payload_signing
         self._counters = Counters()
+        # time.monotonic() of the last answer the store gave (any status below 500): the file system
+        # takes it as the end of an outage it noticed (core.Core._outage).
+        self.answered_at = 0.0
         self._etag_forms_noted = False  # logged once: GET answers carry ETags in another form (_check_version)
         session = boto3.session.Session(profile_name=profile)
         cfg = botocore_config(region=region or session.region_name or "us-east-1", path_style=path_style,
@@ -449,6 +452,8 @@ class S3Store:
             except s3http.RETRYABLE as e:
                 err: errors.StoreError = errors.connection_error(f"store request failed: {e}", key=key)
             else:
+                if r.status < 500:
+                    self.answered_at = time.monotonic()
                 if r.status < 300 and not (error_in_ok and s3http.embedded_error(r.body)):
                     return r
                 if r.status in (304, 412):

@@ -631,6 +631,7 @@ OPTIONS = {
     "metadata ttl negative": (["--metadata-ttl", "-1"], "--metadata-ttl"),
     "store timeout zero": (["--store-timeout", "0"], "--store-timeout"),
     "store timeout inf": (["--store-timeout", "inf"], "--store-timeout"),
+    "stale if error negative": (["--stale-if-error", "-5"], "--stale-if-error"),
 }
 
 

@@ -477,3 +477,73 @@ def test_a_30s_outage_in_a_read_write_loop_is_survived(fault_proxy, mount_factor
     counts = {k: sum(1 for e in events if (e[1], e[2]) == k) for k in
               {(e[1], e[2]) for e in events}}
     report(f"30 s outage: {len(closed)} files closed and committed, outcomes {counts}", fault_proxy)
+
+
+# --------------------------------------------------------------------------------------------------
+# A store that cannot be reached
+
+
+def test_cached_files_stay_readable_while_the_store_cannot_be_reached(fault_proxy, mount_factory, s3, bucket,
+                                                                      prefix):
+    """README "Semantics": Reads. A job has read its files once; then the store goes away, long after
+    every metadata TTL: lookups, stat, `ls -l` and reads of the cached files go on from what was known,
+    without paying the retry budget per file; data that is not cached fails with EIO. Once the store is
+    back, a change made meanwhile is seen, with no remount."""
+    d = f"{prefix}/vol/d"
+    files = {f"{d}/{i:02d}.bin": os.urandom(300 * KiB + i) for i in range(20)}
+    put_many(s3, bucket, {**files, f"{d}/uncached.bin": os.urandom(2 * MiB)})
+    m = proxied(mount_factory, fault_proxy, "--metadata-ttl", "0.5")
+    dpath = m.path() / "d"
+    for key, data in files.items():
+        assert read_all(m.path() / key.split("/vol/", 1)[1]) == data
+    listed = subprocess.run(["ls", "-l", str(dpath)], capture_output=True, text=True, check=True).stdout
+    assert os.stat(dpath / "uncached.bin").st_size == 2 * MiB
+
+    fault_proxy.outage(120)
+    time.sleep(1.5)  # every name's TTL has run out
+    t0 = time.monotonic()
+    for key, data in files.items():
+        p = m.path() / key.split("/vol/", 1)[1]
+        assert os.stat(p).st_size == len(data)
+        assert read_all(p) == data
+    # ls -l during the outage shows what it showed before it (sizes; times are the objects').
+    during = subprocess.run(["ls", "-l", str(dpath)], capture_output=True, text=True, check=True).stdout
+    assert during == listed
+    took = time.monotonic() - t0
+    # Asking the store costs a caller its retry budget (~1.5 s with connections refused): 40 lookups,
+    # stats and opens that each asked would take a minute. Answered from what is known, the store is
+    # asked again only now and then.
+    assert took < 15, f"reading 20 cached files in the outage took {took:.1f} s"
+    with pytest.raises(OSError) as e:
+        read_all(dpath / "uncached.bin")
+    assert e.value.errno == errno.EIO
+    down = m.status()["unreachable"]
+    assert list(down) and next(iter(down.values()))["answered_from_known"] >= 20, down
+
+    # Meanwhile another host changed a file; once the store answers again the change is seen.
+    changed = os.urandom(100 * KiB)
+    s3.put_object(Bucket=bucket, Key=f"{d}/00.bin", Body=changed)
+    fault_proxy.end_outage()
+    assert wait_until(lambda: read_all(dpath / "00.bin") == changed, timeout=40)
+    assert m.status()["unreachable"] == {}
+    log = m.log_path.read_text()
+    assert re.search(r" WARNING ucfs\.core: store '.*' cannot be reached .*answer from what was known", log)
+    assert re.search(r" WARNING ucfs\.core: store '.*' answers again after [\d.]+ s; \d+ answers", log)
+
+
+def test_without_stale_answers_an_unreachable_store_fails_lookups_with_eio(fault_proxy, mount_factory, s3, bucket,
+                                                                            prefix):
+    """`--stale-if-error 0`: what was known answers nothing once its TTL has run out; the caller gets
+    EIO and the log says why, as before the store went away."""
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/d/a.bin", Body=b"a" * 1000)
+    m = proxied(mount_factory, fault_proxy, "--metadata-ttl", "0.5", "--stale-if-error", "0")
+    p = m.path() / "d" / "a.bin"
+    assert read_all(p) == b"a" * 1000
+    fault_proxy.outage(60)
+    time.sleep(1.5)
+    with pytest.raises(OSError) as e:
+        os.stat(p)
+    assert e.value.errno == errno.EIO
+    assert m.status()["core"].get("stale_answers", 0) == 0
+    fault_proxy.end_outage()
+    assert wait_until(lambda: os.stat(p).st_size == 1000, timeout=30)
