@@ -471,7 +471,9 @@ class S3Store:
                 raise err
             # Louder as it repeats: one retry is routine, several in a row are worth an operator's eye.
             level = logging.INFO if attempt == 1 else logging.WARNING if attempt < 4 else logging.ERROR
-            log.log(level, "%s %s: %s; retrying (attempt %d of %d)", method, key, err, attempt,
+            # A LIST names no key: say which bucket and prefix it was for.
+            what = key or (f"{bucket}?prefix={query['prefix']}" if query and "prefix" in query else bucket)
+            log.log(level, "%s %s: %s; retrying (attempt %d of %d)", method, what, err, attempt,
                     self.max_attempts)
             time.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, 5.0)

@@ -529,6 +529,7 @@ def test_cached_files_stay_readable_while_the_store_cannot_be_reached(fault_prox
     log = m.log_path.read_text()
     assert re.search(r" WARNING ucfs\.core: store '.*' cannot be reached .*answer from what was known", log)
     assert re.search(r" WARNING ucfs\.core: store '.*' answers again after [\d.]+ s; \d+ answers", log)
+    assert f"ucfs.store: GET {bucket}?prefix={prefix}/vol/d/: " in log  # a LIST's retries say what it was for
 
 
 def test_without_stale_answers_an_unreachable_store_fails_lookups_with_eio(fault_proxy, mount_factory, s3, bucket,
