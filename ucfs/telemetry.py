@@ -210,6 +210,10 @@ def prometheus_text(status: dict) -> str:
             for store, counters in value.items():
                 for k, v in counters.items():
                     emit(f"store_{k}_total", v, {"store": store})
+        elif key == "unreachable" and isinstance(value, dict):
+            # Only stores in an outage are listed: absent means reachable (or not yet asked).
+            for store, outage in value.items():
+                emit("store_unreachable_seconds", outage.get("for_s"), {"store": store})
         elif isinstance(value, dict):
             for k, v in value.items():
                 emit(f"{key}_{k}", v)

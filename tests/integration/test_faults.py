@@ -519,6 +519,10 @@ def test_cached_files_stay_readable_while_the_store_cannot_be_reached(fault_prox
     assert e.value.errno == errno.EIO
     down = m.status()["unreachable"]
     assert list(down) and next(iter(down.values()))["answered_from_known"] >= 20, down
+    # A file written meanwhile in a directory the mount knows is staged, to be committed later.
+    written = os.urandom(50 * KiB)
+    with open(dpath / "written-meanwhile.bin", "wb") as f:
+        f.write(written)
 
     # Meanwhile another host changed a file; once the store answers again the change is seen.
     changed = os.urandom(100 * KiB)
@@ -526,6 +530,8 @@ def test_cached_files_stay_readable_while_the_store_cannot_be_reached(fault_prox
     fault_proxy.end_outage()
     assert wait_until(lambda: read_all(dpath / "00.bin") == changed, timeout=40)
     assert m.status()["unreachable"] == {}
+    sync_dir(dpath)
+    assert obj(s3, bucket, f"{d}/written-meanwhile.bin") == written
     log = m.log_path.read_text()
     assert re.search(r" WARNING ucfs\.core: store '.*' cannot be reached .*answer from what was known", log)
     assert re.search(r" WARNING ucfs\.core: store '.*' answers again after [\d.]+ s; \d+ answers", log)

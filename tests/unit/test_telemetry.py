@@ -39,3 +39,10 @@ def test_metric_label_values_are_escaped_as_the_text_format_requires():
     text = telemetry.prometheus_text({"stores": {name: {"get": 3}}, "ready_s": 1})
     assert text.splitlines() == ['ucfs_store_get_total{store="odd \\"store\\" \\\\ with\\nnewline"} 3',
                                  "ucfs_ready_s 1"]
+
+
+def test_a_store_in_an_outage_is_a_gauge_of_its_seconds_unreachable():
+    text = telemetry.prometheus_text({"unreachable": {"rgw": {"for_s": 12.5, "answered_from_known": 40}},
+                                      "core": {"stale_answers": 40}})
+    assert text.splitlines() == ['ucfs_store_unreachable_seconds{store="rgw"} 12.5',
+                                 "ucfs_core_stale_answers 40"]
