@@ -802,6 +802,14 @@ class Core:
                 node = self._apply_entry(parent, name, current or what, seen_at)
             yield idx, name, self.attributes(node)
 
+    def dot_entries(self, fh: int) -> tuple[tuple[bytes, Attributes], tuple[bytes, Attributes]]:
+        """"." and ".." of a directory handle: the directory itself and its parent (the root's is itself)."""
+        h = self._handles.get(fh)
+        if not isinstance(h, DirHandle):
+            raise errors.fs_error(errors.EBADF)
+        node = h.inode
+        return (b".", self.attributes(node)), (b"..", self.attributes(node.parent or node))
+
     def entry_accepted(self, ino: int, accepted: bool) -> None:
         node = self.inodes.get(ino)
         if node is None:

@@ -146,8 +146,14 @@ class Operations(pyfuse3.Operations):
 
     @_translate
     async def readdir(self, fh, start_id, token):
-        for idx, name, attrs in self.core.readdir(fh, start_id):
-            accepted = pyfuse3.readdir_reply(token, os.fsencode(name), _entry(attrs), idx + 1)
+        # "." and ".." first (offsets 1 and 2), as `ls -a` expects of any directory. The kernel takes
+        # no lookup reference for them, even in readdirplus, so none is counted.
+        dots = self.core.dot_entries(fh)
+        for i in range(start_id, len(dots)):
+            if not pyfuse3.readdir_reply(token, dots[i][0], _entry(dots[i][1]), i + 1):
+                return
+        for idx, name, attrs in self.core.readdir(fh, max(0, start_id - len(dots))):
+            accepted = pyfuse3.readdir_reply(token, os.fsencode(name), _entry(attrs), idx + 1 + len(dots))
             self.core.entry_accepted(attrs.ino, accepted)
             if not accepted:
                 break

@@ -385,3 +385,35 @@ def test_what_the_store_cannot_keep_is_eopnotsupp_and_the_usual_fallbacks_work(m
     assert (v / "f.bin").read_bytes() == want
     fsync_path(v / "f.bin")
     assert obj(s3, bucket, f"{prefix}/vol/f.bin") == want
+
+
+def _forget_inodes() -> None:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("2")  # dentries and inodes: the kernel sends FORGET for every one nobody holds
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping the kernel's inodes needs root")
+def test_every_directory_lists_dot_and_dotdot_and_they_hold_no_inode(mount, s3, bucket, prefix):
+    """`ls -a` showed neither "." nor ".." anywhere in the mount, as on no local file system. They
+    come first, with the inode numbers stat gives the directory and its parent; the kernel takes no
+    lookup reference for them, so counting one would keep their inodes forever."""
+    for k in ("a/b/x.bin", "a/y.bin"):
+        s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/{k}", Body=b"x")
+    v = mount.path()
+    for d, parent in ((v / "a", v), (v / "a" / "b", v / "a"), (v, v.parent), (mount.mountpoint, mount.mountpoint.parent)):
+        out = subprocess.run(["ls", "-a1i", "--sort=none", str(d)], capture_output=True, text=True,
+                             check=True).stdout.split("\n")
+        got = [line.split(maxsplit=1) for line in out[:2]]
+        assert got == [[str(os.stat(d).st_ino), "."], [str(os.stat(parent).st_ino), ".."]], (d, out)
+    assert sorted(os.listdir(v / "a")) == ["b", "y.bin"]  # programs that skip them see what they did
+    found = subprocess.run(["find", str(v / "a")], capture_output=True, text=True, check=True).stdout.split()
+    assert sorted(found) == sorted(str(p) for p in (v / "a", v / "a" / "b", v / "a" / "b" / "x.bin", v / "a" / "y.bin"))
+
+    # No reference is kept for them: once the kernel forgets what nobody holds, the directories
+    # listed many times go too, as those never listed do.
+    for _ in range(20):
+        subprocess.run(["ls", "-a", str(v / "a"), str(v / "a" / "b")], capture_output=True, check=True)
+    _forget_inodes()
+    # The root stays (the mount holds it); counted references would keep a, b and those above them.
+    assert wait_until(lambda: mount.status()["inodes"] <= 2, timeout=10), mount.status()["inodes"]
