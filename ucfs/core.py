@@ -597,7 +597,7 @@ class Core:
             failed, rest = group.split(errors.StoreError)
             if failed is None or rest is not None:
                 raise
-            leaves = list(_leaves(failed))
+            leaves = list(errors.leaves(failed))
             raise min(leaves, key=lambda e: e.transient) from None
         self._reachable(vol)
         if result.get("dir"):
@@ -1739,14 +1739,6 @@ class Core:
         if self.passthrough is not None:
             out["passthrough"] = self.passthrough.statistics()
         return out
-
-
-def _leaves(group: BaseExceptionGroup) -> Iterator[Any]:
-    for e in group.exceptions:
-        if isinstance(e, BaseExceptionGroup):
-            yield from _leaves(e)
-        else:
-            yield e
 
 
 def _direct(flags: int) -> bool:

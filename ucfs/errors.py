@@ -115,6 +115,15 @@ def connection_error(message: str, *, key: str = "") -> StoreError:
     return StoreError(_errno.EIO, message, key=key, transient=True)
 
 
+def leaves(group: BaseExceptionGroup):
+    """The exceptions in a (nested) exception group, as trio nurseries raise them."""
+    for e in group.exceptions:
+        if isinstance(e, BaseExceptionGroup):
+            yield from leaves(e)
+        else:
+            yield e
+
+
 def fs_error(err: int, message: str = "") -> OSError:
     """An errno decided by file system semantics (ENOTEMPTY, EROFS, ...) with a readable message."""
     return OSError(err, message or _errno.errorcode.get(err, str(err)))

@@ -38,7 +38,7 @@ def _translate(fn: Callable) -> Callable:
                 raise pyfuse3.FUSEError(errors.EIO) from None
             if oserrors is None:
                 raise
-            first = next(_leaves(oserrors))
+            first = next(errors.leaves(oserrors))
             raise pyfuse3.FUSEError(_errno_of(fn.__name__, first)) from None
         except (trio.Cancelled, KeyboardInterrupt):
             raise
@@ -64,14 +64,6 @@ def _errno_of(op: str, e: OSError) -> int:
     elif err == errors.ENOENT and log.isEnabledFor(logging.DEBUG):
         log.debug("%s: ENOENT: %s", op, e)  # why something vanished, for races a soak finds
     return err
-
-
-def _leaves(group: BaseExceptionGroup):
-    for e in group.exceptions:
-        if isinstance(e, BaseExceptionGroup):
-            yield from _leaves(e)
-        else:
-            yield e
 
 
 def _caller(ctx: pyfuse3.RequestContext | None) -> Caller | None:
