@@ -326,10 +326,12 @@ async def open_core(tmp_path, store, nursery, cfg):
     return core, committer, ino
 
 
-def run_on_core(tmp_path, body, *, drain: bool = True, **cfg):
+def run_on_core(tmp_path, body, *, drain: bool = True, wrap=None, **cfg):
     """trio.run of `body(core, committer, volume inode, store)` on a Core over a new in-memory store
     with one bucket, "bucket" (see `open_core`); `cfg`: MountConfig fields. The committer is shut
-    down afterwards, finishing what is left to commit (`drain`) or not. Returns the store."""
+    down afterwards, finishing what is left to commit (`drain`) or not. Returns the store. With
+    `wrap` (e.g. ucfs.testing.faults.FaultyStore), the core talks to `wrap(store)` instead; `body`
+    still gets the store itself, and finds the wrapper as `core.stores["mem"].store`."""
     import trio
 
     from ucfs.config import MountConfig
@@ -342,7 +344,7 @@ def run_on_core(tmp_path, body, *, drain: bool = True, **cfg):
 
     async def main():
         async with trio.open_nursery() as n:
-            core, committer, vol = await open_core(tmp_path, inner, n, config)
+            core, committer, vol = await open_core(tmp_path, inner if wrap is None else wrap(inner), n, config)
             await body(core, committer, vol, inner)
             await committer.shutdown(drain=drain)
             n.cancel_scope.cancel()

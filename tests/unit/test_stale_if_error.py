@@ -12,34 +12,30 @@ import pytest
 import trio
 
 from ucfs import core as core_mod
-from ucfs.config import MountConfig
-from ucfs.store import MemoryStore
 from ucfs.testing.faults import FaultyStore, access_denied, connection_reset
 
-from tests.support import open_core
+from tests.support import run_on_core
 
 TTL = 0.2
 
 
 def _run(tmp_path, body, **cfg):
-    inner = MemoryStore()
-    inner.buckets["bucket"] = {}
-    store = FaultyStore(inner)
-    (tmp_path / "state").mkdir(mode=0o700)
-    config = MountConfig(cache_dir=tmp_path / "state" / "cache", metadata_ttl_s=TTL, **cfg)
+    async def with_faults(core, committer, vol, inner):
+        await body(core, vol, inner, core.stores["mem"].store)
 
-    async def main():
-        async with trio.open_nursery() as n:
-            core, committer, vol = await open_core(tmp_path, store, n, config)
-            await body(core, vol, inner, store)
-            await committer.shutdown(drain=False)
-            n.cancel_scope.cancel()
-
-    trio.run(main)
+    run_on_core(tmp_path, with_faults, drain=False, wrap=FaultyStore, metadata_ttl_s=TTL, **cfg)
 
 
 def _asked(store: FaultyStore) -> int:
     return sum(store.injected.values())
+
+
+async def _known_then_failing(core, vol, inner, store, error):
+    """a.bin (1 byte) looked up, its TTL run out, then every store call fails with `error`."""
+    inner.put_bytes("bucket", "pfx/a.bin", b"a")
+    a = await core.lookup(vol, "a.bin")
+    await trio.sleep(TTL + 0.05)
+    return a, store.fail(error=error)
 
 
 def test_known_names_answer_from_what_was_known_and_the_store_is_asked_seldom(tmp_path):
@@ -78,10 +74,7 @@ def test_known_names_answer_from_what_was_known_and_the_store_is_asked_seldom(tm
 
 def test_a_refusal_is_an_answer_and_never_covered_up(tmp_path):
     async def body(core, vol, inner, store):
-        inner.put_bytes("bucket", "pfx/a.bin", b"a")
-        a = await core.lookup(vol, "a.bin")
-        await trio.sleep(TTL + 0.05)
-        store.fail(error=access_denied)
+        a, _ = await _known_then_failing(core, vol, inner, store, access_denied)
         with pytest.raises(OSError) as e:
             await core.getattr(a.ino)
         assert e.value.errno == errno.EACCES
@@ -92,10 +85,7 @@ def test_a_refusal_is_an_answer_and_never_covered_up(tmp_path):
 
 def test_what_was_known_answers_no_longer_than_stale_if_error(tmp_path):
     async def body(core, vol, inner, store):
-        inner.put_bytes("bucket", "pfx/a.bin", b"a")
-        a = await core.lookup(vol, "a.bin")
-        await trio.sleep(TTL + 0.05)
-        store.fail(error=connection_reset)
+        a, _ = await _known_then_failing(core, vol, inner, store, connection_reset)
         assert (await core.getattr(a.ino)).size == 1
         await trio.sleep(0.6)
         with pytest.raises(OSError) as e:
@@ -109,10 +99,7 @@ def test_any_answer_of_the_store_ends_the_outage(tmp_path):
     """A commit or a read may be first to get through: an S3 store notes every answer it gets, and the
     next metadata call asks the store again at once instead of waiting out its back-off."""
     async def body(core, vol, inner, store):
-        inner.put_bytes("bucket", "pfx/a.bin", b"a")
-        a = await core.lookup(vol, "a.bin")
-        await trio.sleep(TTL + 0.05)
-        rule = store.fail(error=connection_reset)
+        a, rule = await _known_then_failing(core, vol, inner, store, connection_reset)
         assert (await core.getattr(a.ino)).size == 1
         asked = _asked(store)
         assert (await core.getattr(a.ino)).size == 1
