@@ -259,6 +259,11 @@ class S3Store:
         # time.monotonic() of the last answer the store gave (any status below 500): the file system
         # takes it as the end of an outage it noticed (core.Core._outage).
         self.answered_at = 0.0
+        # Set when a request used up every attempt without any answer from the store (connections
+        # refused, reset or silent): until the store answers again, each request tries once, so a
+        # caller learns of the outage at once instead of after the whole back-off (core answers
+        # metadata from what it knew; reads of data the cache lacks fail with EIO).
+        self.unreachable = False
         self._etag_forms_noted = False  # logged once: GET answers carry ETags in another form (_check_version)
         session = boto3.session.Session(profile_name=profile)
         cfg = botocore_config(region=region or session.region_name or "us-east-1", path_style=path_style,
@@ -440,7 +445,9 @@ class S3Store:
         CopyObject), taken as the error it reports."""
         self._counters.add(op)
         delay = 0.1
-        for attempt in range(1, self.max_attempts + 1):
+        attempts = 1 if self.unreachable else self.max_attempts
+        answered = False
+        for attempt in range(1, attempts + 1):
             self._counters.add("attempts")
             try:
                 r = self._lean.request(method, bucket, key, headers, into=into, query=query, body=body,
@@ -452,8 +459,10 @@ class S3Store:
             except s3http.RETRYABLE as e:
                 err: errors.StoreError = errors.connection_error(f"store request failed: {e}", key=key)
             else:
+                answered = True
                 if r.status < 500:
                     self.answered_at = time.monotonic()
+                    self.unreachable = False
                 if r.status < 300 and not (error_in_ok and s3http.embedded_error(r.body)):
                     return r
                 if r.status in (304, 412):
@@ -467,14 +476,16 @@ class S3Store:
                                      request_id=rid or r.headers.get("x-amz-request-id", ""), key=key)
             # A missing key is an answer, not a failure: count it apart so status shows real errors.
             self._counters.add("not_found" if err.errno == errors.ENOENT else "errors")
-            if not err.transient or attempt == self.max_attempts:
+            if not err.transient or attempt == attempts:
+                if err.transient and not answered and attempts > 1:
+                    self.unreachable = True  # no answer at all, every attempt: see __init__
                 raise err
             # Louder as it repeats: one retry is routine, several in a row are worth an operator's eye.
             level = logging.INFO if attempt == 1 else logging.WARNING if attempt < 4 else logging.ERROR
             # A LIST names no key: say which bucket and prefix it was for.
             what = key or (f"{bucket}?prefix={query['prefix']}" if query and "prefix" in query else bucket)
             log.log(level, "%s %s: %s; retrying (attempt %d of %d)", method, what, err, attempt,
-                    self.max_attempts)
+                    attempts)
             time.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, 5.0)
         raise AssertionError("unreachable")
