@@ -201,10 +201,13 @@ class Core:
         """The outage of vol's store, unless the store has answered any request since its latest
         failure (a read or a commit may be first to get through)."""
         o = self._outages.get(vol.store.name)
-        if o is not None and getattr(self.store_for(vol).store, "answered_at", 0.0) > o.failed_at:
+        if o is not None and self._answered_since(vol.store.name, o):
             self._reachable(vol)
             return None
         return o
+
+    def _answered_since(self, store: str, o: _Outage) -> bool:
+        return getattr(self.stores[store].store, "answered_at", 0.0) > o.failed_at
 
     def _stale_allowed(self, vol: Volume) -> bool:
         """May what was last known about vol's names stand in for the store's answer? Yes while its
@@ -1731,7 +1734,7 @@ class Core:
         now = time.monotonic()
         out["unreachable"] = {name: {"for_s": round(now - o.since, 1), "answered_from_known": o.answered}
                               for name, o in self._outages.items()
-                              if getattr(self.stores[name].store, "answered_at", 0.0) <= o.failed_at}
+                              if not self._answered_since(name, o)}
         if self.cache is not None:
             out["cache"] = self.cache.statistics()
         if self.committer is not None:
