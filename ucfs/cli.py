@@ -390,6 +390,10 @@ def cmd_status(args) -> int:
     return 1 if failed else 0
 
 
+# The store requests `ucfs status` counts by name, in this order (the rest only count as attempts).
+_SHOWN_REQUESTS = ("get", "head", "list", "put", "upload_part", "copy", "delete")
+
+
 def format_status(mnt: str, st: dict) -> str:
     lines = [f"{mnt}"]
     rates = st.get("throughput_bytes_per_s") or {}
@@ -416,11 +420,10 @@ def format_status(mnt: str, st: dict) -> str:
                  f"(peak {st.get('readahead_peak_bytes', 0) / 2**20:.1f} MiB, budget "
                  f"{st.get('readahead_budget_bytes', 0) / 2**20:.0f} MiB)")
     for name, s in (st.get("stores") or {}).items():
-        reqs = {k: v for k, v in s.items() if k in ("get", "head", "list", "put", "upload_part", "copy", "delete")}
-        retries = max(0, s.get("attempts", 0) - sum(v for k, v in s.items() if k in (
-            "get", "head", "list", "put", "upload_part", "copy", "delete", "head_bucket",
-            "create_multipart", "complete_multipart", "abort_multipart", "list_multipart")))
-        lines.append(f"  store {name}: {reqs}, {s.get('get_bytes', 0) / 2**20:.1f} MiB read, "
+        reqs = ", ".join(f"{k.replace('_', ' ')} {s[k]}" for k in _SHOWN_REQUESTS if s.get(k))
+        retries = max(0, s.get("attempts", 0) - sum(v for k, v in s.items() if k in _SHOWN_REQUESTS + (
+            "head_bucket", "create_multipart", "complete_multipart", "abort_multipart", "list_multipart")))
+        lines.append(f"  store {name}: requests {reqs or 'none yet'}; {s.get('get_bytes', 0) / 2**20:.1f} MiB read, "
                      f"{s.get('put_bytes', 0) / 2**20:.1f} MiB written, retries {retries}, errors {s.get('errors', 0)}")
         down = (st.get("unreachable") or {}).get(name)
         if down:

@@ -94,3 +94,15 @@ def test_a_mountpoint_link_whose_target_goes_up_from_a_link_is_resolved_as_the_k
     assert resolve_mountpoint(tmp_path / "d" / "link") == tmp_path / "elsewhere" / "m"
     (tmp_path / "d" / "up").symlink_to("a/..")  # a link to a directory above a link's target
     assert resolve_mountpoint(tmp_path / "d" / "up") == tmp_path / "elsewhere"
+
+
+def test_status_names_the_store_requests_in_words():
+    """The line printed a Python dict ("{'list': 37, 'head': 30, ...}"), zero counts included."""
+    st = {"stores": {"rgw": {"list": 37, "head": 30, "get": 0, "upload_part": 32, "create_multipart": 2,
+                             "attempts": 37 + 30 + 32 + 2 + 3, "get_bytes": 0, "put_bytes": 3 * 2**20,
+                             "errors": 1}}}
+    text = cli.format_status("/Volumes", st)
+    assert ("  store rgw: requests head 30, list 37, upload part 32; 0.0 MiB read, 3.0 MiB written, "
+            "retries 3, errors 1") in text.splitlines(), text
+    idle = cli.format_status("/Volumes", {"stores": {"rgw": {"attempts": 0}}})
+    assert "  store rgw: requests none yet; 0.0 MiB read, 0.0 MiB written, retries 0, errors 0" in idle
