@@ -938,7 +938,7 @@ class Committer:
         version = ObjectVersion(store.name, vol.bucket, node.key, node.etag)
         reader = ObjectReader(store=store, bucket=vol.bucket, key=node.key, version=version, size=node.size,
                               cache=self.core.cache, budget=self.core.budget, cfg=self.cfg,
-                              nursery=self._nursery, stats=self.core.stats)
+                              nursery=self._nursery, stats=self.core.stats, inflight=self.core.inflight)
         try:
             off = 0
             while off < node.size:

@@ -33,7 +33,7 @@ from .cache import BlockCache, ObjectVersion
 from .catalog import Catalog, Volume
 from .config import MountConfig
 from .inodes import Entry, Inode, InodeTable, Kind, Listing
-from .prefetch import BufferPool, MemoryBudget, ObjectReader
+from .prefetch import BufferPool, InFlight, MemoryBudget, ObjectReader
 from .store import MAX_KEY_BYTES
 
 log = logging.getLogger(__name__)
@@ -159,6 +159,7 @@ class Core:
         self.inodes = InodeTable()
         self.budget = MemoryBudget(cfg.data_budget_bytes)
         self.pool = BufferPool(cfg.part_bytes, self.budget)
+        self.inflight = InFlight()  # blocks open handles are fetching, for the others to share
         self.stats: collections.Counter[str] = collections.Counter()
         self.started_ns = time.time_ns()
         self._handles: dict[int, FileHandle | DirHandle] = {}
@@ -1049,7 +1050,8 @@ class Core:
             assert vol is not None and self._nursery is not None
             h.reader = ObjectReader(store=self.store_for(vol), bucket=vol.bucket, key=h.version.key,
                                     version=h.version, size=h.size, cache=self.cache, budget=self.budget,
-                                    cfg=self.cfg, nursery=self._nursery, stats=self.stats, pool=self.pool)
+                                    cfg=self.cfg, nursery=self._nursery, stats=self.stats, pool=self.pool,
+                                    inflight=self.inflight)
         self.stats["reads"] += 1
         if not h.direct:
             self._check_page_cache(node, h.version)

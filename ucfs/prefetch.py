@@ -35,7 +35,7 @@ import mmap
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 import trio
 
@@ -263,6 +263,35 @@ class BufferPool:
             buf.close()
 
 
+class InFlight:
+    """Blocks that some open handle is fetching from the store now, by object version: another handle
+    of the same version that wants them waits for that fetch and reads them from the disk cache it
+    writes them to, instead of asking the store for the same bytes again.
+
+    Several processes reading one file at once (ranks loading the same weights, `DataLoader` workers
+    on one shard) share the kernel's page cache, but each handle reads ahead for itself here: four
+    `dd` of one cold 256 MiB file made the store send 378 MiB. One event per fetch, set once its
+    blocks are in the disk cache or the fetch has failed (then the waiter fetches them itself)."""
+
+    def __init__(self) -> None:
+        self._fetching: dict[tuple[str, int], trio.Event] = {}
+
+    def fetching(self, version: ObjectVersion, index: int) -> trio.Event | None:
+        return self._fetching.get((version.digest, index))
+
+    def announce(self, version: ObjectVersion, first: int, stop: int) -> trio.Event:
+        done = trio.Event()
+        for i in range(first, stop):
+            self._fetching[(version.digest, i)] = done
+        return done
+
+    def finish(self, version: ObjectVersion, first: int, stop: int, done: trio.Event) -> None:
+        for i in range(first, stop):
+            if self._fetching.get((version.digest, i)) is done:
+                del self._fetching[(version.digest, i)]
+        done.set()
+
+
 @dataclass(eq=False)
 class _Run:
     """The blocks one GET fetched, sharing its buffer. The buffer, and the budget it holds, go back
@@ -295,7 +324,7 @@ class ObjectReader:
     def __init__(self, *, store: AsyncStore, bucket: str, key: str, version: ObjectVersion, size: int,
                  cache: BlockCache | None, budget: MemoryBudget, cfg: MountConfig,
                  nursery: trio.Nursery, stats: collections.Counter | None = None,
-                 pool: BufferPool | None = None):
+                 pool: BufferPool | None = None, inflight: InFlight | None = None):
         self.store = store
         self.bucket = bucket
         self.key = key
@@ -308,6 +337,8 @@ class ObjectReader:
         self.nursery = nursery
         self.stats = stats if stats is not None else collections.Counter()
         self.pool = pool
+        # Shared with the other handles; only with a disk cache, through which their fetches are shared.
+        self.inflight = inflight if cache is not None else None
         self.blocks: dict[int, _Block] = {}
         self.window = cfg.readahead_initial_bytes
         self.stream_start = 0  # where the current sequential stream began
@@ -491,18 +522,16 @@ class ObjectReader:
         """
         stop = min(stop, self.nblocks)
         per_part = self.cfg.part_bytes // self.B
-        cache = self.cache
         self._low = min(self._low, first)
         i = first
         while i < stop:
             if i in self.blocks:
                 i += 1
                 continue
-            cached = cache is not None and cache.contains(self.version, i)
+            source = self._source(i)
             j = i + 1
             part_end = (i // per_part + 1) * per_part
-            while (j < stop and j < part_end and j not in self.blocks and
-                   (cache is not None and cache.contains(self.version, j)) == cached):
+            while j < stop and j < part_end and j not in self.blocks and self._source(j) == source:
                 j += 1
             forced_end = min(j, max(i, demand_stop))
             forced = min(forced_end * self.B, self.size) - i * self.B if forced_end > i else 0
@@ -521,20 +550,51 @@ class ObjectReader:
             # A pooled buffer idle now goes to this run at once, as the budget just counted its
             # memory: left in the pool until the fetch starts, it would be counted twice meanwhile.
             buf = self.pool.take(min(j * self.B, self.size) - i * self.B) if self.pool is not None else None
-            self.nursery.start_soon(self._fetch, run, cached, buf)
+            if source is _STORE:
+                # Announced now, not when the fetch starts: another handle may plan before then.
+                done = self.inflight.announce(self.version, i, j) if self.inflight is not None else None
+                self.nursery.start_soon(self._fetch, run, False, buf, (), done)
+            else:
+                after = () if source is _CACHE else {self.inflight.fetching(self.version, k) for k in range(i, j)}
+                self.nursery.start_soon(self._fetch, run, True, buf, after)
             i = j
         return stop
 
+    def _source(self, index: int) -> object:
+        """Where block `index` comes from: the disk cache, another handle's fetch now on its way
+        there, or the store."""
+        if self.cache is not None and self.cache.contains(self.version, index):
+            return _CACHE
+        if self.inflight is not None and self.inflight.fetching(self.version, index) is not None:
+            return _ELSEWHERE
+        return _STORE
+
     # -- fetching -----------------------------------------------------------------------------
-    async def _fetch(self, run: list[_Block], from_cache: bool, buf: mmap.mmap | None = None) -> None:
-        """Bring the run's blocks into memory; `buf`, a pooled buffer for them taken already."""
+    async def _fetch(self, run: list[_Block], from_cache: bool, buf: mmap.mmap | None = None,
+                     after: Iterable[trio.Event | None] = (), done: trio.Event | None = None) -> None:
+        """Bring the run's blocks into memory; `buf`, a pooled buffer for them taken already.
+        `after`: other handles' fetches of these blocks, to wait for before reading the disk cache.
+        `done`: this fetch as announced to the others (`InFlight`), told when its blocks are cached."""
+        try:
+            await self._fetch_run(run, from_cache, buf, after)
+        finally:
+            if done is not None:
+                self.inflight.finish(self.version, run[0].index, run[-1].index + 1, done)
+
+    async def _fetch_run(self, run: list[_Block], from_cache: bool, buf: mmap.mmap | None,
+                         after: Iterable[trio.Event | None]) -> None:
         fetched: list[tuple[list[_Block], memoryview, _Run | None]] = []
         with trio.CancelScope() as scope:
             # close() cancels what is still on its way; data that has arrived is cached regardless.
             self._cancel_scopes.add(scope)
             try:
                 if from_cache:
+                    for other in after:
+                        if other is not None:
+                            await other.wait()
                     missing = await self._load_cached(run, buf)
+                    if after:
+                        self.stats["blocks_from_other_fetches"] += len(run) - len(missing)
                     # Evicted or damaged since we looked: fetch those from the store.
                     for sub in _contiguous(missing):
                         fetched.append((sub, *await self._get(sub)))
@@ -756,6 +816,10 @@ class ObjectReader:
             self._drop(idx)
         for scope in list(self._cancel_scopes):
             scope.cancel()
+
+
+# Where a scheduled run of blocks comes from (ObjectReader._source).
+_CACHE, _ELSEWHERE, _STORE = object(), object(), object()
 
 
 def _pieces(blocks: list[_Block], off: int, end: int, B: int) -> tuple[memoryview, ...]:

@@ -206,6 +206,22 @@ def test_large_object_sha256(mount, s3, bucket, prefix):
     assert status["buffers_discarded"] == 0, {k: status[k] for k in ("buffers_reused", "buffers_discarded")}
 
 
+def test_processes_reading_one_cold_file_together_fetch_it_once(mount, s3, bucket, prefix):
+    """Ranks on one host loading the same weights: the kernel's page cache is shared, but each open
+    file read ahead for itself, and the store sent parts of the file more than once (four `dd` of
+    one cold 256 MiB file: 378 MiB)."""
+    data = os.urandom(96 * MiB)
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/weights.bin", Body=data)
+    path = mount.path() / "weights.bin"
+    os.stat(path)
+    before = mount.store_stats().get("get_bytes", 0)
+    readers = [subprocess.Popen(["sha256sum", str(path)], stdout=subprocess.PIPE, text=True) for _ in range(4)]
+    sums = [p.communicate(timeout=120)[0].split()[0] for p in readers]
+    assert sums == [hashlib.sha256(data).hexdigest()] * 4
+    fetched = mount.store_stats().get("get_bytes", 0) - before
+    assert fetched == len(data), f"{fetched / MiB:.0f} MiB fetched for a {len(data) // MiB} MiB file"
+
+
 def test_reread_after_remount_makes_zero_gets(mount, s3, bucket, prefix, store_requests):
     data = os.urandom(30 * MiB)
     small = {f"{prefix}/vol/s/{i}.bin": os.urandom(150 * 1024) for i in range(20)}

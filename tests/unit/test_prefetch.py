@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import collections
+import errno
 import os
 import random
 import threading
+import time
 
 import pytest
 import trio
@@ -12,7 +15,7 @@ import trio
 from ucfs.aiostore import AsyncStore
 from ucfs.cache import BlockCache, ObjectVersion
 from ucfs.config import KiB, MiB, MountConfig
-from ucfs.errors import StaleError
+from ucfs.errors import StaleError, StoreError
 from ucfs import prefetch
 from ucfs.prefetch import MemoryBudget, ObjectReader
 from ucfs.store import MemoryStore
@@ -48,12 +51,12 @@ def make_object(store: CountingStore, size: int, key: str = "obj") -> bytes:
     return data
 
 
-async def open_reader(store, cache, cfg, nursery, key="obj", budget=None):
+async def open_reader(store, cache, cfg, nursery, key="obj", budget=None, inflight=None):
     info = store.head("b", key)
     version = ObjectVersion("mem", "b", key, info.etag)
     return ObjectReader(store=AsyncStore(store, 16), bucket="b", key=key, version=version, size=info.size,
                         cache=cache, budget=budget or MemoryBudget(cfg.readahead_budget_bytes), cfg=cfg,
-                        nursery=nursery)
+                        nursery=nursery, inflight=inflight)
 
 
 def run(fn):
@@ -561,3 +564,86 @@ def test_a_get_that_fails_part_way_gives_its_buffer_back_to_the_pool(cfg, cache)
     run(main)
     assert store.failures == 0  # a GET into a pooled buffer did fail
     assert pool.discarded == 0 and pool.reused >= 1, (pool.discarded, pool.reused)
+
+
+class SlowStore(CountingStore):
+    """CountingStore whose GETs take a while, as a real store's do, so that fetches overlap; the
+    first `fail` GETs fail."""
+
+    def __init__(self, fail=0):
+        super().__init__()
+        self.fail = fail
+
+    def get(self, bucket, key, start=0, length=None, *, etag=None):
+        time.sleep(0.02)
+        if self.fail:
+            self.fail -= 1
+            raise StoreError(errno.EIO, "injected", key=key)
+        return super().get(bucket, key, start, length, etag=etag)
+
+
+@pytest.mark.parametrize("readers", [2, 4])
+def test_handles_reading_one_file_at_once_share_their_fetches(cfg, cache, readers):
+    """Each handle reads ahead for itself: several processes reading one cold file together (ranks
+    loading the same weights) made the store send parts of it several times over."""
+    store = SlowStore()
+    data = make_object(store, 64 * MiB)
+    inflight = prefetch.InFlight()
+    stats = collections.Counter()
+
+    async def read_all(n, out):
+        r = await open_reader(store, cache, cfg, n, inflight=inflight)
+        r.stats = stats
+        try:
+            got = bytearray()
+            for off in range(0, len(data), MiB):
+                got += await r.read(off, MiB)
+            out.append(bytes(got))
+        finally:
+            r.close()
+
+    async def main():
+        out = []
+        async with trio.open_nursery() as n:
+            for _ in range(readers):
+                n.start_soon(read_all, n, out)
+        return out
+
+    assert run(main) == [data] * readers
+    fetched = sum(length for _, length in store.ranges)
+    assert fetched == len(data), (fetched / MiB, sorted(store.ranges))
+    assert stats["blocks_from_other_fetches"] > 0, dict(stats)  # (the rest: cached by then)
+    assert not inflight._fetching  # every fetch said it ended
+
+
+def test_a_handle_waiting_on_a_fetch_that_fails_fetches_the_blocks_itself(cfg, cache):
+    store = SlowStore(fail=1)
+    data = make_object(store, 4 * MiB)
+    inflight = prefetch.InFlight()
+
+    async def main():
+        async with trio.open_nursery() as n:
+            a = await open_reader(store, cache, cfg, n, inflight=inflight)
+            b = await open_reader(store, cache, cfg, n, inflight=inflight)
+            first = None
+
+            async def read_a():
+                nonlocal first
+                try:
+                    await a.read(0, MiB)
+                except OSError as e:
+                    first = e
+
+            n.start_soon(read_a)
+            with trio.fail_after(5):
+                while inflight.fetching(b.version, 0) is None:
+                    await trio.sleep(0.001)
+            # a's fetch is on its way: b waits for it, then finds nothing cached
+            assert bytes(await b.read(0, MiB)) == data[:MiB]
+            a.close()
+            b.close()
+            return first
+
+    assert isinstance(run(main), OSError)
+    assert len(store.ranges) == 1  # b's own GET (a's failed before it was counted)
+    assert not inflight._fetching
