@@ -35,6 +35,9 @@ MIN_PART_BYTES = 5 * 1024 * 1024
 MAX_PART_BYTES = 5 * 1024 ** 3
 MAX_OBJECT_BYTES = 5 * 1024 ** 4
 MAX_SINGLE_COPY_BYTES = 5 * 1024 ** 3
+# Where boto3's credential chain looks, for the error when it found nothing.
+NO_CREDENTIALS = ("no AWS credentials found (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a profile in "
+                  "~/.aws, or an instance role)")
 
 
 def _ranged_body(r: s3http.Response, start: int, length: int | None, ranged: bool,
@@ -294,8 +297,7 @@ class S3Store:
                 if access_key and secret_key:
                     return s3http.Credentials(access_key, secret_key)
                 if creds is None:
-                    raise errors.StoreError(errors.EACCES, "no AWS credentials found (environment, "
-                                            "profile or instance role)")
+                    raise errors.StoreError(errors.EACCES, NO_CREDENTIALS, code="NoCredentials")
                 f = creds.get_frozen_credentials()
                 return s3http.Credentials(f.access_key, f.secret_key, f.token)
 
@@ -349,8 +351,7 @@ class S3Store:
                                  request_id=meta.get("RequestId", ""), key=key) from None
         except bex.NoCredentialsError:
             self._counters.add("errors")
-            raise errors.StoreError(errors.EACCES, "no AWS credentials found (environment, profile or "
-                                    "instance role)", key=key) from None
+            raise errors.StoreError(errors.EACCES, NO_CREDENTIALS, code="NoCredentials", key=key) from None
         except (bex.EndpointConnectionError, bex.ConnectionClosedError, bex.ReadTimeoutError,
                 bex.ConnectTimeoutError, bex.ProxyConnectionError) as e:
             self._counters.add("errors")

@@ -593,6 +593,30 @@ def test_a_malformed_catalog_is_one_message_naming_file_and_line(tmp_path, case)
     assert not (tmp_path / "state").exists()  # refused before anything was made
 
 
+def test_no_credentials_at_all_is_one_message_saying_so_not_access_denied(tmp_path):
+    """With no credentials anywhere, the mount said "access to bucket 'b' denied at <endpoint>
+    (check credentials)", even for an endpoint that nothing listens on: no request had been sent."""
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))  # bound, never listening: a request to it would be refused
+    url = f"http://127.0.0.1:{port.getsockname()[1]}"
+    cat = tmp_path / "catalog.toml"
+    cat.write_text(f'[stores.s]\nendpoint_url = "{url}"\n\n[volumes."a.b.c"]\nlocation = "s3://b/x"\nstore = "s"\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(HOME=str(tmp_path), AWS_EC2_METADATA_DISABLED="true")  # no ~/.aws, no instance role
+    try:
+        r = subprocess.run([sys.executable, "-m", "ucfs", "mount", str(tmp_path / "mnt"), "--config", str(cat),
+                            "--foreground", "--cache-dir", str(tmp_path / "state")], capture_output=True, text=True,
+                           timeout=60, cwd=REPO, env=env)
+    finally:
+        port.close()
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("ucfs: volume a.b.c: no AWS credentials found (AWS_ACCESS_KEY_ID"), lines[0]
+    assert url in lines[0] and "denied" not in lines[0], lines[0]
+    assert not os.path.ismount(tmp_path / "mnt")
+
+
 @pytest.mark.parametrize("case", ["missing", "a file"])
 def test_a_local_location_that_is_no_directory_is_one_message_saying_so(tmp_path, case):
     """A volume on a local directory that is missing, or a file: the message says which, about a
