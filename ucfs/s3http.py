@@ -159,6 +159,9 @@ class LeanClient:
         self.port = u.port or (443 if u.scheme == "https" else 80)
         self.base_path = u.path.rstrip("/")
         self.path_style = path_style
+        # In the Host header, as in the URL, an IPv6 address is bracketed ("[::1]:7480"): unbracketed,
+        # the server cannot tell the port from the address, and signs something else than we did.
+        self._netloc_host = f"[{self.host}]" if ":" in self.host else self.host
         self.signer = Signer(region)
         self.credentials = credentials
         self.timeout_s = timeout_s
@@ -167,7 +170,7 @@ class LeanClient:
 
     def _host_header(self, bucket: str) -> str:
         default = (self.scheme == "https" and self.port == 443) or (self.scheme == "http" and self.port == 80)
-        host = self.host if default else f"{self.host}:{self.port}"
+        host = self._netloc_host if default else f"{self._netloc_host}:{self.port}"
         return host if self.path_style else f"{bucket}.{host}"
 
     def _connect(self, bucket: str) -> tuple["_Connection", bool]:

@@ -235,11 +235,12 @@ class _Scripted:
     """A raw HTTP server on loopback that answers each request with the next canned response (bytes
     sent as they are, in the pieces given), and notes which connection each request came on."""
 
-    def __init__(self, responses: list[list[bytes] | bytes]):
+    def __init__(self, responses: list[list[bytes] | bytes], host: str = "127.0.0.1"):
 
         self.responses = list(responses)
         self.requests: list[tuple[int, bytes]] = []  # (connection number, request head + body)
-        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.host = f"[{host}]" if ":" in host else host
         self.port = self.sock.getsockname()[1]
         self.connections = 0
         threading.Thread(target=self._serve, daemon=True).start()
@@ -281,7 +282,7 @@ class _Scripted:
                     return
 
     def client(self, timeout_s: float = 5) -> LeanClient:
-        return LeanClient(f"http://127.0.0.1:{self.port}", region="us-east-1", path_style=True,
+        return LeanClient(f"http://{self.host}:{self.port}", region="us-east-1", path_style=True,
                           credentials=lambda: Credentials("AK", "SK"), pool_size=2, timeout_s=timeout_s)
 
     def close(self):
@@ -536,3 +537,27 @@ def test_a_get_whose_etag_is_only_written_differently_is_the_version_asked_for()
         assert [r.split(b" ", 1)[0] for _, r in srv.requests] == [b"GET", b"HEAD"]
     finally:
         srv.close()
+
+
+def test_an_ipv6_endpoint_is_named_in_brackets_in_the_host_header(monkeypatch):
+    """http://[::1]:port went out as "Host: ::1:port", which is no host and port (RFC 9110 writes an
+    IPv6 address in brackets there, as in the URL), and signed as such: botocore signs "[::1]:port"."""
+    try:
+        srv = _Scripted([_ok(b"x")], host="::1")
+    except OSError as e:
+        pytest.skip(f"no IPv6 loopback here: {e}")
+    try:
+        r = srv.client().request("GET", "b", "k")
+    finally:
+        srv.close()
+    assert r.status == 200
+    head = srv.requests[0][1].split(b"\r\n\r\n")[0].decode()
+    headers = {name.lower(): value for name, value in (line.split(": ", 1) for line in head.split("\r\n")[1:])}
+    assert headers["host"] == f"[::1]:{srv.port}", head
+    # botocore, given the same URL and moment, signs the same request alike.
+    req = botocore.awsrequest.AWSRequest(method="GET", url=f"http://[::1]:{srv.port}/b/k",
+                                         headers={"x-amz-content-sha256": headers["x-amz-content-sha256"]})
+    now = datetime.datetime.strptime(headers["x-amz-date"], "%Y%m%dT%H%M%SZ")
+    monkeypatch.setattr(botocore.auth, "get_current_datetime", lambda *a, **k: now)
+    botocore.auth.S3SigV4Auth(botocore.credentials.Credentials("AK", "SK"), "s3", "us-east-1").add_auth(req)
+    assert headers["authorization"] == req.headers["Authorization"]

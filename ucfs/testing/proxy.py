@@ -161,7 +161,8 @@ class LatencyProxy:
 
     @property
     def url(self) -> str:
-        return f"http://{self.listen_host}:{self.port}"
+        host = f"[{self.listen_host}]" if ":" in self.listen_host else self.listen_host
+        return f"http://{host}:{self.port}"
 
     def start(self) -> "LatencyProxy":
         if self._thread is not None:
