@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import resource
 import signal
+import ssl
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 from dataclasses import dataclass
@@ -74,6 +77,58 @@ def proxy_unusable(endpoint: S3Endpoint) -> str | None:
         return (f"needs a plain-HTTP S3 endpoint for a loopback proxy to forward to (MinIO, RGW); "
                 f"{endpoint.url} is {u.scheme}")
     return None
+
+
+class TLSFront:
+    """An https endpoint on loopback in front of a plain-HTTP S3 server: TLS ends here, with a
+    throw-away certificate for 127.0.0.1 made by openssl (`ca` is the file a client must trust).
+    What AWS, or MinIO with TLS, looks like to a mount. Use as a context manager."""
+
+    def __init__(self, target_host: str, target_port: int, workdir: Path):
+        self.target = (target_host, target_port)
+        self.ca, key = workdir / "tls-cert.pem", workdir / "tls-key.pem"
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                        "-keyout", str(key), "-out", str(self.ca), "-subj", "/CN=127.0.0.1",
+                        "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+        self._ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self._ctx.load_cert_chain(self.ca, key)
+        self._loop = asyncio.new_event_loop()
+        self._server = self._loop.run_until_complete(
+            asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=self._ctx))
+        self.port = self._server.sockets[0].getsockname()[1]
+        self.url = f"https://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    def __enter__(self) -> "TLSFront":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        async def close():
+            self._server.close()
+            await self._server.wait_closed()
+        asyncio.run_coroutine_threadsafe(close(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.target)
+        except OSError:
+            writer.close()
+            return
+
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(1 << 20):
+                    dst.write(data)
+                    await dst.drain()
+            except (OSError, ssl.SSLError):
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
 
 
 class StoreRequests:

@@ -6,20 +6,16 @@ Objects are put with a separate boto3 client; the mount is checked with os, shut
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import errno
 import hashlib
 import os
 import random
-import socket
 import subprocess
 import time
-import urllib.parse
 
 import pytest
 
-from tests.support import obj, proxy_unusable, sync_dir, wait_until
-from ucfs.testing.proxy import LatencyProxy
+from tests.support import obj, sync_dir, wait_until
 
 MiB = 1 << 20
 
@@ -224,35 +220,6 @@ def test_processes_reading_one_cold_file_together_fetch_it_once(mount, s3, bucke
     assert sums == [hashlib.sha256(data).hexdigest()] * 4
     fetched = mount.store_stats().get("get_bytes", 0) - before
     assert fetched == len(data), f"{fetched / MiB:.0f} MiB fetched for a {len(data) // MiB} MiB file"
-
-
-def test_an_endpoint_given_by_ipv6_address_works(mount_factory, s3_endpoint, s3, bucket, prefix):
-    """A catalog endpoint written http://[::1]:port: reads and writes through a loopback proxy that
-    listens on IPv6 only. (RGW also took the unbracketed "Host: ::1:port" the lean client sent
-    before; the bracketing itself is checked in tests/unit/test_s3http.py.)"""
-    if (why := proxy_unusable(s3_endpoint)) is not None:
-        pytest.skip(why)
-    try:
-        socket.socket(socket.AF_INET6).close()
-        socket.getaddrinfo("::1", 0, socket.AF_INET6)
-    except OSError as e:
-        pytest.skip(f"no IPv6 loopback here: {e}")
-    u = urllib.parse.urlsplit(s3_endpoint.url)
-    proxy = LatencyProxy(u.hostname, u.port or 80, delay_ms=0, listen_host="::1").start()
-    try:
-        assert proxy.url.startswith("http://[::1]:")
-        s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/there.bin", Body=b"from the store")
-        m = mount_factory(endpoint=dataclasses.replace(s3_endpoint, url=proxy.url))
-        assert (m.path() / "there.bin").read_bytes() == b"from the store"
-        with open(m.path() / "here.bin", "wb") as f:
-            f.write(b"from the mount")
-            f.flush()
-            os.fsync(f.fileno())
-        assert obj(s3, bucket, f"{prefix}/vol/here.bin") == b"from the mount"
-        assert m.store_stats().get("errors", 0) == 0
-        m.stop()
-    finally:
-        proxy.stop()
 
 
 def test_reread_after_remount_makes_zero_gets(mount, s3, bucket, prefix, store_requests):
