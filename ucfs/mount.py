@@ -343,6 +343,8 @@ async def _check_volumes(catalog: Catalog, stores: dict[str, AsyncStore]) -> Non
                 problems.append(f"volume {vol.full_name}: {e.strerror}")
             elif e.errno == errors.ENXIO or e.status == 404:
                 problems.append(f"volume {vol.full_name}: bucket {vol.bucket!r} does not exist at {where}")
+            elif e.code == "UntrustedCertificate":
+                problems.append(f"volume {vol.full_name}: {e.strerror}")  # names the server
             elif e.code == "NoCredentials":  # nothing was sent: the store did not deny anything
                 problems.append(f"volume {vol.full_name}: {e.strerror}, needed to sign requests to {where}")
             elif e.errno == errors.EACCES:

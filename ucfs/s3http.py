@@ -87,6 +87,11 @@ class HTTPFailure(Exception):
         self.timed_out = timed_out
 
 
+class UntrustedServer(Exception):
+    """The server's TLS certificate did not verify (an authority we do not trust, another name):
+    no retry can change that."""
+
+
 def uri_encode_path(path: str) -> str:
     """S3's canonical URI: every byte percent-encoded except unreserved characters and '/'."""
     return urllib.parse.quote(path, safe="/" + _UNRESERVED)
@@ -204,6 +209,9 @@ class LeanClient:
             except BaseException:
                 sock.close()
                 raise
+        except ssl.SSLCertVerificationError as e:
+            raise UntrustedServer(f"TLS certificate of {host}:{self.port} not trusted: "
+                                  f"{e.verify_message or e}") from None
         except OSError as e:
             raise HTTPFailure(f"cannot connect to {host}:{self.port}: {e}",
                               timed_out=isinstance(e, TimeoutError)) from None

@@ -457,6 +457,10 @@ class S3Store:
                 self._counters.add("errors")
                 raise errors.StoreError(errors.EIO, f"upload source changed: {e}", key=key,
                                         transient=True) from None
+            except s3http.UntrustedServer as e:
+                self._counters.add("errors")
+                raise errors.StoreError(errors.EIO, f"{e} (AWS_CA_BUNDLE names a file of the authorities "
+                                        "to trust)", code="UntrustedCertificate", key=key) from None
             except s3http.RETRYABLE as e:
                 err: errors.StoreError = errors.connection_error(f"store request failed: {e}", key=key)
             else:

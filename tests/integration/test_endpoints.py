@@ -9,11 +9,12 @@ import hashlib
 import os
 import socket
 import subprocess
+import sys
 import urllib.parse
 
 import pytest
 
-from tests.support import TLSFront, obj, proxy_unusable
+from tests.support import REPO, TLSFront, make_catalog, obj, proxy_unusable
 from ucfs.testing.proxy import LatencyProxy
 
 MiB = 1 << 20
@@ -52,6 +53,28 @@ def test_an_https_endpoint_reads_and_writes(mount_factory, s3_endpoint, s3, buck
         assert st.get("upload_part", 0) >= 2 and st.get("get", 0) >= 2, st
         assert st.get("errors", 0) == 0, st
         m.stop()
+
+
+def test_an_https_endpoint_with_an_untrusted_certificate_is_one_message(s3_endpoint, bucket, tmp_path):
+    """It was taken for a broken connection: retried four times, a log line each, then "store at
+    <url> unreachable: ... cannot connect ... CERTIFICATE_VERIFY_FAILED"."""
+    with TLSFront(*_front_of(s3_endpoint), tmp_path) as tls:
+        cat = tmp_path / "catalog.toml"
+        cat.write_text(make_catalog(dataclasses.replace(s3_endpoint, url=tls.url), bucket,
+                                    {"a.b.c": {"prefix": "x"}}))
+        env = dict(os.environ, AWS_ACCESS_KEY_ID=s3_endpoint.access_key,
+                   AWS_SECRET_ACCESS_KEY=s3_endpoint.secret_key, AWS_EC2_METADATA_DISABLED="true")
+        env.pop("AWS_CA_BUNDLE", None)  # the system's authorities only: the throw-away one is not among them
+        r = subprocess.run([sys.executable, "-m", "ucfs", "mount", str(tmp_path / "mnt"), "--config", str(cat),
+                            "--foreground", "--cache-dir", str(tmp_path / "state")], capture_output=True,
+                           text=True, timeout=120, cwd=REPO, env=env)
+    assert r.returncode == 1, (r.returncode, r.stderr[-800:])
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ucfs: volume a.b.c: "), r.stderr[-800:]
+    # Said once, at once: no retries (nothing else on stderr), since no retry can change it.
+    assert f"TLS certificate of 127.0.0.1:{tls.port} not trusted" in lines[0], lines[0]
+    assert "AWS_CA_BUNDLE" in lines[0], lines[0]
+    assert not os.path.ismount(tmp_path / "mnt")
 
 
 def test_an_endpoint_given_by_ipv6_address_works(mount_factory, s3_endpoint, s3, bucket, prefix):
