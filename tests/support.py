@@ -131,6 +131,69 @@ class TLSFront:
         await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
 
 
+class ForwardProxy:
+    """An HTTP proxy on loopback, as a site's egress proxy: CONNECT tunnels (for https endpoints) and
+    requests naming a whole http:// URL. It notes the first request line of every connection
+    (`requests`) and the Proxy-Authorization it carried (`auth`), then relays the connection as it
+    is. Use as a context manager; `url` is what HTTPS_PROXY / HTTP_PROXY name."""
+
+    def __init__(self):
+        self.requests: list[str] = []
+        self.auth: list[str | None] = []
+        self._loop = asyncio.new_event_loop()
+        self._server = self._loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", 0))
+        self.port = self._server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    def __enter__(self) -> "ForwardProxy":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        async def close():
+            self._server.close()
+            await self._server.wait_closed()
+        asyncio.run_coroutine_threadsafe(close(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError):
+            writer.close()
+            return
+        lines = head.decode("latin-1").split("\r\n")
+        method, target = lines[0].split(" ")[:2]
+        self.requests.append(lines[0])
+        self.auth.append(next((ln.split(":", 1)[1].strip() for ln in lines[1:]
+                               if ln.lower().startswith("proxy-authorization:")), None))
+        u = urllib.parse.urlsplit(target if method != "CONNECT" else f"//{target}")
+        try:
+            up_reader, up_writer = await asyncio.open_connection(u.hostname, u.port)
+        except OSError:
+            writer.write(b"HTTP/1.1 502 Bad Gateway\r\ncontent-length: 0\r\n\r\n")
+            writer.close()
+            return
+        if method == "CONNECT":
+            writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        else:
+            up_writer.write(head)  # the server takes the whole URL as the target (RFC 9112 3.2.2)
+
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(1 << 20):
+                    dst.write(data)
+                    await dst.drain()
+            except OSError:
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+
+
 class StoreRequests:
     """Counts requests that reached the S3 server, for tests that check the mount's own figures
     against what the server saw.
@@ -254,6 +317,7 @@ class Mount:
     extra_args: tuple[str, ...] = ()
     proc: subprocess.Popen | None = None
     open_files: int | None = None  # soft RLIMIT_NOFILE the daemon starts with (default: ours)
+    extra_env: dict[str, str] | None = None  # for the daemon alone (proxy settings, say)
 
     @property
     def mountpoint(self) -> Path:
@@ -272,6 +336,7 @@ class Mount:
         env.update(AWS_ACCESS_KEY_ID=self.endpoint.access_key, AWS_SECRET_ACCESS_KEY=self.endpoint.secret_key,
                    AWS_REGION=self.endpoint.region, AWS_EC2_METADATA_DISABLED="true",
                    PYTHONUNBUFFERED="1")
+        env.update(self.extra_env or {})
         return env
 
     def start(self, timeout: float = 60) -> "Mount":

@@ -25,6 +25,7 @@ permits.
 
 from __future__ import annotations
 
+import base64
 import datetime
 import hashlib
 import hmac
@@ -38,6 +39,7 @@ import ssl
 import struct
 import time
 import urllib.parse
+import urllib.request
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from typing import Callable
@@ -85,6 +87,16 @@ class HTTPFailure(Exception):
     def __init__(self, message: str, *, timed_out: bool = False):
         super().__init__(message)
         self.timed_out = timed_out
+
+
+def proxy_for(url: str) -> str | None:
+    """The proxy URL the environment names for requests to `url`, or None (NO_PROXY covers its host,
+    or none is set): the rule urllib and botocore follow."""
+    u = urllib.parse.urlsplit(url)
+    proxy = urllib.request.getproxies_environment().get(u.scheme)
+    if not proxy or urllib.request.proxy_bypass_environment(u.netloc):
+        return None
+    return proxy
 
 
 class UntrustedServer(Exception):
@@ -172,6 +184,20 @@ class LeanClient:
         self.timeout_s = timeout_s
         self._ssl = ssl.create_default_context(cafile=ca_bundle) if u.scheme == "https" else None
         self._idle: queue.LifoQueue[_Connection] = queue.LifoQueue(maxsize=pool_size)
+        # An HTTP proxy the environment names for this endpoint (HTTPS_PROXY / HTTP_PROXY, unless
+        # NO_PROXY covers the host), as botocore would use: https goes through a CONNECT tunnel,
+        # plain http as requests with the whole URL for a target.
+        self.proxy: tuple[str, int] | None = None
+        self._proxy_auth: dict[str, str] = {}
+        proxy_url = proxy_for(endpoint_url)
+        if proxy_url:
+            p = urllib.parse.urlsplit(proxy_url if "://" in proxy_url else f"http://{proxy_url}")
+            if p.scheme != "http" or not p.hostname:
+                raise ValueError(f"unsupported proxy {proxy_url!r} for {endpoint_url}: only http:// proxies")
+            self.proxy = (p.hostname, p.port or 80)
+            if p.username is not None:
+                user = urllib.parse.unquote(p.username) + ":" + urllib.parse.unquote(p.password or "")
+                self._proxy_auth = {"proxy-authorization": "Basic " + base64.b64encode(user.encode()).decode()}
 
     def _host_header(self, bucket: str) -> str:
         default = (self.scheme == "https" and self.port == 443) or (self.scheme == "http" and self.port == 80)
@@ -198,10 +224,12 @@ class LeanClient:
             return conn, True
         host = self.host if self.path_style else f"{bucket}.{self.host}"
         try:
-            sock = socket.create_connection((host, self.port), timeout=self.connect_timeout_s)
+            sock = socket.create_connection(self.proxy or (host, self.port), timeout=self.connect_timeout_s)
             sock.settimeout(self.timeout_s)
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if self.proxy is not None and self._ssl is not None:
+                    self._tunnel(sock, f"{self._netloc_host if self.path_style else f'{bucket}.{self.host}'}:{self.port}")
                 if self._ssl is not None:
                     sock = self._ssl.wrap_socket(sock, server_hostname=host)
                 else:
@@ -216,6 +244,19 @@ class LeanClient:
             raise HTTPFailure(f"cannot connect to {host}:{self.port}: {e}",
                               timed_out=isinstance(e, TimeoutError)) from None
         return _Connection(sock), False
+
+    def _tunnel(self, sock: socket.socket, authority: str) -> None:
+        """Ask the proxy on `sock` for a tunnel to `authority` (host:port); TLS then runs inside it."""
+        sock.sendall(_request_head("CONNECT", authority, {"host": authority, **self._proxy_auth}))
+        answer = b""
+        while b"\r\n\r\n" not in answer:  # the server says nothing in the tunnel before our hello
+            chunk = sock.recv(4096)
+            if not chunk or len(answer) > 65536:
+                raise OSError(f"proxy {self.proxy[0]}:{self.proxy[1]} closed the CONNECT to {authority}")
+            answer += chunk
+        status = answer.split(b"\r\n", 1)[0].decode("latin-1")
+        if status.split(" ")[1:2] != ["200"]:
+            raise OSError(f"proxy {self.proxy[0]}:{self.proxy[1]} refused a tunnel to {authority}: {status}")
 
     def _release(self, conn: "_Connection") -> None:
         conn.idle_since = time.monotonic()
@@ -249,7 +290,12 @@ class LeanClient:
             hdrs.update(headers)
         if body is not None or method in ("PUT", "POST"):
             hdrs["content-length"] = str(0 if body is None else len(body))
-        head = _request_head(method, f"{path}?{qs}" if qs else path, hdrs)
+        target = f"{path}?{qs}" if qs else path
+        if self.proxy is not None and self._ssl is None:
+            # Through an HTTP proxy a request names the whole URL (the signature covers the path).
+            target = f"{self.scheme}://{self._host_header(bucket)}{target}"
+            hdrs.update(self._proxy_auth)
+        head = _request_head(method, target, hdrs)
         for fresh_retry in (False, True):
             conn, reused = self._connect(bucket)
             try:

@@ -1,9 +1,12 @@
 """Endpoints other than plain HTTP on an IPv4 address: https with a certificate the host trusts
-through AWS_CA_BUNDLE (as for AWS, or MinIO with TLS), and an IPv6 address. Each is put in front
-of the suite's S3 server on loopback, and the mount reads and writes through it."""
+through AWS_CA_BUNDLE (as for AWS, or MinIO with TLS), an IPv6 address, and an egress proxy named
+by HTTPS_PROXY / HTTP_PROXY. Each is put in front of the suite's S3 server on loopback, and the
+mount reads and writes through it."""
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -14,7 +17,7 @@ import urllib.parse
 
 import pytest
 
-from tests.support import REPO, TLSFront, make_catalog, obj, proxy_unusable
+from tests.support import REPO, ForwardProxy, TLSFront, make_catalog, obj, proxy_unusable
 from ucfs.testing.proxy import LatencyProxy
 
 MiB = 1 << 20
@@ -102,3 +105,41 @@ def test_an_endpoint_given_by_ipv6_address_works(mount_factory, s3_endpoint, s3,
         m.stop()
     finally:
         proxy.stop()
+
+
+@pytest.mark.parametrize("scheme", ["https", "http"])
+def test_requests_go_through_the_proxy_the_environment_names(mount_factory, s3_endpoint, s3, bucket, prefix,
+                                                            tmp_path, scheme):
+    """Hosts whose only way out is an egress proxy name it in HTTPS_PROXY / HTTP_PROXY, and boto3
+    follows it; ucfs's own S3 client ignored it and connected directly (to time out, on such a host).
+    https goes through a CONNECT tunnel, http as requests naming the whole URL; the proxy's
+    credentials come from its URL."""
+    host, port = _front_of(s3_endpoint)
+    with contextlib.ExitStack() as stack:
+        env = {"NO_PROXY": "", "no_proxy": ""}
+        if scheme == "https":
+            tls = stack.enter_context(TLSFront(host, port, tmp_path))
+            endpoint, authority = dataclasses.replace(s3_endpoint, url=tls.url), f"127.0.0.1:{tls.port}"
+            env["AWS_CA_BUNDLE"] = str(tls.ca)
+        else:
+            endpoint, authority = s3_endpoint, f"{host}:{port}"
+        proxy = stack.enter_context(ForwardProxy())
+        env["HTTPS_PROXY" if scheme == "https" else "HTTP_PROXY"] = (
+            proxy.url.replace("http://", "http://ml-job:p%40ss@"))
+        s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/in.bin", Body=b"through the proxy")
+        m = mount_factory(endpoint=endpoint, start=False)
+        m.extra_env = env
+        m.start()
+        assert (m.path() / "in.bin").read_bytes() == b"through the proxy"
+        with open(m.path() / "out.bin", "wb") as f:
+            f.write(b"out through the proxy")
+            f.flush()
+            os.fsync(f.fileno())
+        m.stop()
+        assert obj(s3, bucket, f"{prefix}/vol/out.bin") == b"out through the proxy"
+    assert proxy.requests, "nothing went through the proxy"
+    if scheme == "https":
+        assert all(r == f"CONNECT {authority} HTTP/1.1" for r in proxy.requests), proxy.requests
+    else:
+        assert all(r.split(" ")[1].startswith(f"http://{authority}/") for r in proxy.requests), proxy.requests
+    assert set(proxy.auth) == {"Basic " + base64.b64encode(b"ml-job:p@ss").decode()}, proxy.auth

@@ -16,7 +16,7 @@ import pytest
 
 from ucfs import errors
 from ucfs.s3http import (Credentials, FileBody, LeanClient, Signer, SourceShort, canonical_query, embedded_error,
-                         parse_error, parse_list, uri_encode_path, xml_text)
+                         parse_error, parse_list, proxy_for, uri_encode_path, xml_text)
 from ucfs.store import S3Store
 
 
@@ -561,3 +561,22 @@ def test_an_ipv6_endpoint_is_named_in_brackets_in_the_host_header(monkeypatch):
     monkeypatch.setattr(botocore.auth, "get_current_datetime", lambda *a, **k: now)
     botocore.auth.S3SigV4Auth(botocore.credentials.Credentials("AK", "SK"), "s3", "us-east-1").add_auth(req)
     assert headers["authorization"] == req.headers["Authorization"]
+
+
+def test_the_proxy_is_the_environments_unless_no_proxy_covers_the_host(monkeypatch):
+    for name in ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTPS_PROXY", "http://egress:3128")
+    monkeypatch.setenv("NO_PROXY", "minio.internal,.lab")
+    assert proxy_for("https://s3.eu-west-1.amazonaws.com") == "http://egress:3128"
+    assert proxy_for("http://s3.eu-west-1.amazonaws.com") is None  # HTTP_PROXY is not set
+    assert proxy_for("https://minio.internal:9000") is None
+    assert proxy_for("https://store.lab") is None
+    monkeypatch.setenv("HTTPS_PROXY", "egress:3128")  # no scheme: http, as curl and urllib take it
+    client = LeanClient("https://s3.amazonaws.com", region="us-east-1", path_style=True,
+                        credentials=lambda: Credentials("AK", "SK"), pool_size=1, timeout_s=5)
+    assert client.proxy == ("egress", 3128)
+    monkeypatch.setenv("HTTPS_PROXY", "socks5://egress:1080")
+    with pytest.raises(ValueError, match="only http:// proxies"):
+        LeanClient("https://s3.amazonaws.com", region="us-east-1", path_style=True,
+                   credentials=lambda: Credentials("AK", "SK"), pool_size=1, timeout_s=5)
