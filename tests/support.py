@@ -79,27 +79,18 @@ def proxy_unusable(endpoint: S3Endpoint) -> str | None:
     return None
 
 
-class TLSFront:
-    """An https endpoint on loopback in front of a plain-HTTP S3 server: TLS ends here, with a
-    throw-away certificate for 127.0.0.1 made by openssl (`ca` is the file a client must trust).
-    What AWS, or MinIO with TLS, looks like to a mount. Use as a context manager."""
+class _Relay:
+    """A server on loopback whose connections a subclass's `_serve` relays elsewhere, run by an
+    asyncio loop in a thread of its own. Use as a context manager."""
 
-    def __init__(self, target_host: str, target_port: int, workdir: Path):
-        self.target = (target_host, target_port)
-        self.ca, key = workdir / "tls-cert.pem", workdir / "tls-key.pem"
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                        "-keyout", str(key), "-out", str(self.ca), "-subj", "/CN=127.0.0.1",
-                        "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
-        self._ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        self._ctx.load_cert_chain(self.ca, key)
+    def __init__(self, ssl_context: ssl.SSLContext | None = None):
         self._loop = asyncio.new_event_loop()
         self._server = self._loop.run_until_complete(
-            asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=self._ctx))
+            asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=ssl_context))
         self.port = self._server.sockets[0].getsockname()[1]
-        self.url = f"https://127.0.0.1:{self.port}"
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
 
-    def __enter__(self) -> "TLSFront":
+    def __enter__(self):
         self._thread.start()
         return self
 
@@ -112,12 +103,11 @@ class TLSFront:
         self._thread.join(10)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_reader, up_writer = await asyncio.open_connection(*self.target)
-        except OSError:
-            writer.close()
-            return
+        raise NotImplementedError
 
+    @staticmethod
+    async def _relay(reader, writer, up_reader, up_writer) -> None:
+        """Both directions, until either side closes."""
         async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
             try:
                 while data := await src.read(1 << 20):
@@ -131,32 +121,42 @@ class TLSFront:
         await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
 
 
-class ForwardProxy:
+class TLSFront(_Relay):
+    """An https endpoint on loopback in front of a plain-HTTP S3 server: TLS ends here, with a
+    throw-away certificate for 127.0.0.1 made by openssl (`ca` is the file a client must trust).
+    What AWS, or MinIO with TLS, looks like to a mount."""
+
+    def __init__(self, target_host: str, target_port: int, workdir: Path):
+        self.target = (target_host, target_port)
+        self.ca, key = workdir / "tls-cert.pem", workdir / "tls-key.pem"
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                        "-keyout", str(key), "-out", str(self.ca), "-subj", "/CN=127.0.0.1",
+                        "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(self.ca, key)
+        super().__init__(ctx)
+        self.url = f"https://127.0.0.1:{self.port}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.target)
+        except OSError:
+            writer.close()
+            return
+        await self._relay(reader, writer, up_reader, up_writer)
+
+
+class ForwardProxy(_Relay):
     """An HTTP proxy on loopback, as a site's egress proxy: CONNECT tunnels (for https endpoints) and
     requests naming a whole http:// URL. It notes the first request line of every connection
     (`requests`) and the Proxy-Authorization it carried (`auth`), then relays the connection as it
-    is. Use as a context manager; `url` is what HTTPS_PROXY / HTTP_PROXY name."""
+    is. `url` is what HTTPS_PROXY / HTTP_PROXY name."""
 
     def __init__(self):
         self.requests: list[str] = []
         self.auth: list[str | None] = []
-        self._loop = asyncio.new_event_loop()
-        self._server = self._loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", 0))
-        self.port = self._server.sockets[0].getsockname()[1]
+        super().__init__()
         self.url = f"http://127.0.0.1:{self.port}"
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-
-    def __enter__(self) -> "ForwardProxy":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        async def close():
-            self._server.close()
-            await self._server.wait_closed()
-        asyncio.run_coroutine_threadsafe(close(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -180,18 +180,7 @@ class ForwardProxy:
             writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
         else:
             up_writer.write(head)  # the server takes the whole URL as the target (RFC 9112 3.2.2)
-
-        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            try:
-                while data := await src.read(1 << 20):
-                    dst.write(data)
-                    await dst.drain()
-            except OSError:
-                pass
-            finally:
-                dst.close()
-
-        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+        await self._relay(reader, writer, up_reader, up_writer)
 
 
 class StoreRequests:
