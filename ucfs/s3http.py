@@ -229,7 +229,7 @@ class LeanClient:
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 if self.proxy is not None and self._ssl is not None:
-                    self._tunnel(sock, f"{self._netloc_host if self.path_style else f'{bucket}.{self.host}'}:{self.port}")
+                    self._tunnel(sock, f"{self._netloc_host if self.path_style else host}:{self.port}")
                 if self._ssl is not None:
                     sock = self._ssl.wrap_socket(sock, server_hostname=host)
                 else:
