@@ -398,6 +398,19 @@ class Mount:
         subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True)
 
 
+def mount_refused(tmp_path: Path, cat: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`ucfs mount --foreground` of catalog `cat` at tmp_path/mnt, expected to refuse: its completed
+    process (a mount it made after all is taken away again). `env`: the daemon's whole environment."""
+    mnt = tmp_path / "mnt"
+    try:
+        return subprocess.run([sys.executable, "-m", "ucfs", "mount", str(mnt), "--config", str(cat), "--foreground",
+                               "--cache-dir", str(tmp_path / "state")], capture_output=True, text=True, timeout=120,
+                              cwd=REPO, env=env)
+    finally:
+        if os.path.ismount(mnt):
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
+
+
 def make_catalog(endpoint: S3Endpoint, bucket: str, volumes: dict[str, dict]) -> str:
     """Catalog TOML: volumes maps 'cat.schema.vol' -> {'prefix': ..., 'read_only': ..., ...}."""
     lines = ["[stores.test]", f'endpoint_url = "{endpoint.url}"', f'region = "{endpoint.region}"', ""]

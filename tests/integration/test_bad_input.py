@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, keys, obj, staging_files, sync_dir, wait_until
+from tests.support import REPO, keys, mount_refused, obj, staging_files, sync_dir, wait_until
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -566,25 +566,12 @@ CATALOGS = {
 }
 
 
-def _mount_refused(tmp_path, cat):
-    """`ucfs mount --foreground` with this catalog, expected to refuse: its completed process (a
-    mount it made after all is taken away again)."""
-    mnt = tmp_path / "mnt"
-    try:
-        return subprocess.run([sys.executable, "-m", "ucfs", "mount", str(mnt), "--config", str(cat), "--foreground",
-                               "--cache-dir", str(tmp_path / "state")], capture_output=True, text=True, timeout=60,
-                              cwd=REPO)
-    finally:
-        if os.path.ismount(mnt):
-            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
-
-
 @pytest.mark.parametrize("case", sorted(CATALOGS))
 def test_a_malformed_catalog_is_one_message_naming_file_and_line(tmp_path, case):
     text, line, words = CATALOGS[case]
     cat = tmp_path / "bad catalog.toml"  # a space in the name, to be sure it is quoted whole
     cat.write_bytes(text if isinstance(text, bytes) else text.encode())
-    r = _mount_refused(tmp_path, cat)
+    r = mount_refused(tmp_path, cat)
     assert r.returncode == 1, (r.returncode, r.stderr)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr  # one message, no traceback
@@ -604,9 +591,7 @@ def test_no_credentials_at_all_is_one_message_saying_so_not_access_denied(tmp_pa
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update(HOME=str(tmp_path), AWS_EC2_METADATA_DISABLED="true")  # no ~/.aws, no instance role
     try:
-        r = subprocess.run([sys.executable, "-m", "ucfs", "mount", str(tmp_path / "mnt"), "--config", str(cat),
-                            "--foreground", "--cache-dir", str(tmp_path / "state")], capture_output=True, text=True,
-                           timeout=60, cwd=REPO, env=env)
+        r = mount_refused(tmp_path, cat, env=env)
     finally:
         port.close()
     assert r.returncode == 1, (r.returncode, r.stderr)
@@ -626,7 +611,7 @@ def test_a_local_location_that_is_no_directory_is_one_message_saying_so(tmp_path
         where.write_text("x")
     cat = tmp_path / "catalog.toml"
     cat.write_text(f'[volumes."a.b.c"]\nlocation = "{where}"\n')
-    r = _mount_refused(tmp_path, cat)
+    r = mount_refused(tmp_path, cat)
     assert r.returncode == 1, (r.returncode, r.stderr)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr

@@ -12,12 +12,11 @@ import hashlib
 import os
 import socket
 import subprocess
-import sys
 import urllib.parse
 
 import pytest
 
-from tests.support import REPO, ForwardProxy, TLSFront, make_catalog, obj, proxy_unusable
+from tests.support import ForwardProxy, TLSFront, make_catalog, mount_refused, obj, proxy_unusable
 from ucfs.testing.proxy import LatencyProxy
 
 MiB = 1 << 20
@@ -68,9 +67,7 @@ def test_an_https_endpoint_with_an_untrusted_certificate_is_one_message(s3_endpo
         env = dict(os.environ, AWS_ACCESS_KEY_ID=s3_endpoint.access_key,
                    AWS_SECRET_ACCESS_KEY=s3_endpoint.secret_key, AWS_EC2_METADATA_DISABLED="true")
         env.pop("AWS_CA_BUNDLE", None)  # the system's authorities only: the throw-away one is not among them
-        r = subprocess.run([sys.executable, "-m", "ucfs", "mount", str(tmp_path / "mnt"), "--config", str(cat),
-                            "--foreground", "--cache-dir", str(tmp_path / "state")], capture_output=True,
-                           text=True, timeout=120, cwd=REPO, env=env)
+        r = mount_refused(tmp_path, cat, env=env)
     assert r.returncode == 1, (r.returncode, r.stderr[-800:])
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ucfs: volume a.b.c: "), r.stderr[-800:]
