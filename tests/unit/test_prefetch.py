@@ -482,6 +482,20 @@ def test_idle_pooled_buffers_and_data_in_use_together_stay_in_the_budget(cfg, ca
     assert peak <= cfg.readahead_budget_bytes + 2 * cfg.block_bytes, peak / MiB
 
 
+def whole_reads(store, cache, cfg, budget, pool, data):
+    """A trio function reading the whole object through one handle whose GETs go into `pool`'s
+    buffers, each 128 KiB checked against `data`; it returns the handle's statistics."""
+    async def read_all():
+        async with trio.open_nursery() as n:
+            r = await open_reader(store, cache, cfg, n, budget=budget)
+            r.pool = pool
+            for off in range(0, len(data), 128 * KiB):
+                assert bytes(await r.read(off, 128 * KiB)) == data[off:off + 128 * KiB]
+            r.close()
+            return r.stats
+    return read_all
+
+
 def test_a_reread_from_the_disk_cache_comes_in_whole_parts_into_pooled_buffers(cfg, cache):
     """A second epoch from the disk cache read each block into a fresh 1 MiB buffer, one disk
     thread call per block: in a re-read after a remount the page faults of those buffers took the
@@ -498,14 +512,7 @@ def test_a_reread_from_the_disk_cache_comes_in_whole_parts_into_pooled_buffers(c
             return _f(*a, **kw)
         setattr(cache, name, counted)
 
-    async def read_all():
-        async with trio.open_nursery() as n:
-            r = await open_reader(store, cache, cfg, n, budget=budget)
-            r.pool = pool
-            for off in range(0, len(data), 128 * KiB):
-                assert bytes(await r.read(off, 128 * KiB)) == data[off:off + 128 * KiB]
-            r.close()
-            return r.stats
+    read_all = whole_reads(store, cache, cfg, budget, pool, data)
 
     run(read_all)  # cold: ranged GETs into pooled buffers, written to the disk cache
     gets, reused, faults = len(store.ranges), pool.reused, dict(calls)
@@ -532,9 +539,10 @@ class SummingStore(PooledStore):
 
 
 def test_blocks_fetched_into_pooled_buffers_are_cached_with_the_stores_checksums(cfg, cache, monkeypatch):
-    """The disk cache took each block's checksum again, reading every buffer back from memory after
-    the store client had just written it: a tenth of a cold read's CPU in the daemon. Now the
-    checksums taken as the bytes arrived go with the run to the cache; the re-read checks them."""
+    """The disk cache took each block's checksum again, reading every buffer back from memory
+    after the store client had just written it (5-15 % of the daemon's CPU in a cold read, by
+    perf). Now the checksums taken as the bytes arrived go with the run to the cache; the re-read
+    checks them."""
     store = SummingStore()
     data = make_object(store, 64 * MiB)
     budget = MemoryBudget(cfg.readahead_budget_bytes)
@@ -543,14 +551,7 @@ def test_blocks_fetched_into_pooled_buffers_are_cached_with_the_stores_checksums
     real = cache_mod.block_checksum
     monkeypatch.setattr(cache_mod, "block_checksum", lambda b: taken.append(len(b)) or real(b))
 
-    async def read_all():
-        async with trio.open_nursery() as n:
-            r = await open_reader(store, cache, cfg, n, budget=budget)
-            r.pool = pool
-            for off in range(0, len(data), 128 * KiB):
-                assert bytes(await r.read(off, 128 * KiB)) == data[off:off + 128 * KiB]
-            r.close()
-            return r.stats
+    read_all = whole_reads(store, cache, cfg, budget, pool, data)
 
     run(read_all)
     cold_sums, gets = len(taken), len(store.ranges)
