@@ -13,7 +13,7 @@ from typing import Any, Callable, TypeVar
 
 import trio
 
-from .store import ListPage, ObjectInfo, PieceSums, Store, Upload
+from .store import ListPage, ObjectInfo, Store, Upload
 from .threads import ThreadPool
 
 T = TypeVar("T")
@@ -36,11 +36,10 @@ class AsyncStore:
         return await self._run(self.store.head, bucket, key)
 
     async def get(self, bucket: str, key: str, start: int = 0, length: int | None = None, *,
-                  etag: str | None = None, into: bytearray | None = None,
-                  sums: PieceSums | None = None) -> tuple[bytes, ObjectInfo]:
-        # Only the optimisations asked for are passed on: a store may not know them.
-        extra = {name: v for name, v in (("into", into), ("sums", sums)) if v is not None}
-        return await self._run(self.store.get, bucket, key, start, length, etag=etag, **extra)
+                  etag: str | None = None, into: bytearray | None = None) -> tuple[bytes, ObjectInfo]:
+        if into is None:
+            return await self._run(self.store.get, bucket, key, start, length, etag=etag)
+        return await self._run(self.store.get, bucket, key, start, length, etag=etag, into=into)
 
     async def list_page(self, bucket: str, prefix: str, *, delimiter: str = "/",
                         token: str | None = None, max_keys: int = 1000) -> ListPage:

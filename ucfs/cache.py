@@ -68,8 +68,6 @@ HEADER_BYTES = 4096  # one page, so the data that follows is aligned for O_DIREC
 SMALL_SEGMENT_BYTES = 1 << 20
 MAX_BLOCKS_PER_SEGMENT = (HEADER_BYTES - _HEADER.size) // 8  # one 8-byte checksum per block
 _ALIGN = 4096
-# The checksum kept for each block in its segment's header, checked whenever the block is read.
-block_checksum = xxhash.xxh3_64_intdigest
 
 
 def _disk_bytes(n: int) -> int:
@@ -403,7 +401,7 @@ class BlockCache:
         """Whether each block of `data` (segment blocks k0, k0 + 1, ...) has its checksum."""
         B = self.block_bytes
         view = memoryview(data)
-        return all(block_checksum(view[i:i + B]) == sums[k0 + i // B]
+        return all(xxhash.xxh3_64_intdigest(view[i:i + B]) == sums[k0 + i // B]
                    for i in range(0, len(view), B))
 
     def _check_header(self, header: bytes, digest: str, first: int, count: int):
@@ -418,13 +416,12 @@ class BlockCache:
 
     # -- writing --------------------------------------------------------------------------------
     def put_blocks(self, version: ObjectVersion, first: int, data: bytes | memoryview,
-                   backing: mmap.mmap | None = None, sums: list[int] | None = None) -> bool:
+                   backing: mmap.mmap | None = None) -> bool:
         """Store consecutive blocks starting at `first` (all full but maybe the last) as one segment.
         False when they could not be kept (no room, disk full or failing), which callers may ignore.
 
         `backing`: a page-aligned buffer that `data` starts at (the read path's pooled GET buffers);
-        the segment is then written from it directly, without a copy. `sums`: the blocks'
-        `block_checksum`s, where the caller took them already (as the bytes arrived)."""
+        the segment is then written from it directly, without a copy."""
         B = self.block_bytes
         count = (len(data) + B - 1) // B
         if count == 0 or count > MAX_BLOCKS_PER_SEGMENT:
@@ -439,8 +436,7 @@ class BlockCache:
             self._stats["skipped"] += 1
             return False
         view = memoryview(data)
-        if sums is None or len(sums) != count:
-            sums = [block_checksum(view[k * B:(k + 1) * B]) for k in range(count)]
+        sums = [xxhash.xxh3_64_intdigest(view[k * B:(k + 1) * B]) for k in range(count)]
         header = _HEADER.pack(_MAGIC, B, len(data), first, count, bytes.fromhex(d[:32])) + \
             struct.pack(f"<{count}Q", *sums)
         path = self._path(name)

@@ -41,9 +41,8 @@ import trio
 
 from . import errors
 from .aiostore import AsyncStore, run_disk
-from .cache import BlockCache, ObjectVersion, block_checksum
+from .cache import BlockCache, ObjectVersion
 from .config import MiB, MountConfig
-from .store import PieceSums
 
 log = logging.getLogger(__name__)
 
@@ -304,7 +303,6 @@ class _Run:
     reserved: int = 0
     view: memoryview | None = None  # all the run's data, while the run lives
     first: int = 0  # index of its first block
-    sums: list[int] | None = None  # each block's cache checksum, where the store took them
 
 
 @dataclass(eq=False)
@@ -614,7 +612,7 @@ class ObjectReader:
             n = len(view)
             self.budget.caching_bytes += n
             try:
-                await self._cache_run(blocks, view, r.buf, r.sums)
+                await self._cache_run(blocks, view, r.buf)
             finally:
                 # Counted down before the run lets go of its memory, so whoever that wakes sees it.
                 self.budget.caching_bytes -= n
@@ -702,10 +700,9 @@ class ObjectReader:
         self.stats["gets"] += 1
         if buf is None and self.pool is not None:
             buf = await self.pool.acquire(length)
-        sums = PieceSums(self.B, block_checksum) if buf is not None and self.cache is not None else None
         try:
             data, info = await self.store.get(self.bucket, self.key, start, length, etag=self.version.etag,
-                                              into=buf, sums=sums)
+                                              into=buf)
         except BaseException as e:
             if buf is not None:
                 # The frames of the call that was reading into buf are in e's traceback, and may
@@ -726,8 +723,7 @@ class ObjectReader:
             self.pool.release(buf)  # the store did not use it
             buf = None
         del data
-        r = _Run(buf, len(run) + 1, view=view, first=run[0].index,  # each block, plus the cache write
-                 sums=sums.sums if sums is not None and buf is not None else None)
+        r = _Run(buf, len(run) + 1, view=view, first=run[0].index)  # each block, plus the cache write
         for k, blk in enumerate(run):
             self._share(blk, r, k)
             self._ready(blk)
@@ -748,15 +744,13 @@ class ObjectReader:
             self.pool.release(r.buf)
         return n
 
-    async def _cache_run(self, run: list[_Block], view: memoryview, backing: mmap.mmap | None,
-                         sums: list[int] | None = None) -> None:
+    async def _cache_run(self, run: list[_Block], view: memoryview, backing: mmap.mmap | None) -> None:
         """Keep blocks fetched together in the disk cache, as one segment; their memory may go once
-        they are there. `backing`, when given, is the page-aligned buffer `view` starts at; `sums`,
-        the blocks' checksums where the store took them."""
+        they are there. `backing`, when given, is the page-aligned buffer `view` starts at."""
         if self.cache is not None:
             try:
                 with trio.CancelScope(shield=True):
-                    await run_disk(self.cache.put_blocks, self.version, run[0].index, view, backing, sums)
+                    await run_disk(self.cache.put_blocks, self.version, run[0].index, view, backing)
             except OSError as e:
                 log.warning("could not write cache blocks of %r: %s", self.key, e)
         for blk in run:

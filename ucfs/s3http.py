@@ -268,11 +268,10 @@ class LeanClient:
     def request(self, method: str, bucket: str, key: str, headers: dict[str, str] | None = None,
                 into: bytearray | None = None, query: dict[str, str] | None = None,
                 body: bytes | bytearray | memoryview | FileBody | None = None,
-                sign_body: bool = False, sums=None) -> Response:
+                sign_body: bool = False) -> Response:
         """One request; the whole body is read (into a single buffer when its length is known: `into`
         if it is large enough and the answer is a success, else a new one). Raises HTTPFailure when
-        the connection breaks; HTTP errors come back as responses. `sums` (a `store.PieceSums`) takes
-        the pieces of a body read into `into`."""
+        the connection breaks; HTTP errors come back as responses."""
         if self.path_style:
             path = f"{self.base_path}/{bucket}/{key}" if key else f"{self.base_path}/{bucket}"
         else:
@@ -300,7 +299,7 @@ class LeanClient:
         for fresh_retry in (False, True):
             conn, reused = self._connect(bucket)
             try:
-                return self._exchange(conn, method, head, body, into, sums)
+                return self._exchange(conn, method, head, body, into)
             except HTTPFailure as e:
                 # A keep-alive connection can die between our check and our request (the server's
                 # idle timeout); that is no failure of the store. Once more on a new connection
@@ -311,7 +310,7 @@ class LeanClient:
         raise AssertionError("unreachable")
 
     def _exchange(self, conn: "_Connection", method: str, head: bytes, body,
-                  into: bytearray | None, sums=None) -> Response:
+                  into: bytearray | None) -> Response:
         try:
             sock = conn.sock
             if body is None:
@@ -342,14 +341,11 @@ class LeanClient:
                     raise HTTPFailure(f"bad Content-Length {rh['content-length']!r}") from None
                 if length < 0:
                     raise HTTPFailure(f"bad Content-Length {length}")
-                if sums is not None:
-                    sums.start()  # what an earlier attempt summed is not this body's
                 if into is not None and status < 300 and len(into) >= length:
                     data = memoryview(into)[:length]
                 else:
                     data = bytearray(length)
-                    sums = None
-                conn.read_into(memoryview(data), sums)
+                conn.read_into(memoryview(data))
             else:
                 data = conn.read_to_close()
                 will_close = True
@@ -482,27 +478,16 @@ class _Connection:
             headers[name] = f"{headers[name]}, {value}" if name in headers else value
         return int(code), version, headers
 
-    def read_into(self, view: memoryview, sums=None) -> None:
-        """Fill `view` with the next len(view) bytes of the connection. `sums` (a `store.PieceSums`):
-        each of its pieces of `view` is handed to it as soon as it has arrived."""
+    def read_into(self, view: memoryview) -> None:
+        """Fill `view` with the next len(view) bytes of the connection."""
         n = len(view)
         have = min(len(self.pending), n)
         if have:
             view[:have] = memoryview(self.pending)[:have]
             self.pending = self.pending[have:]
         got = have
-        step = sums.piece_bytes if sums is not None else n
-        summed = 0
-        while True:
-            while sums is not None and summed < got and (got - summed >= step or got == n):
-                sums.add(view[summed:summed + step])
-                summed += step
-            if got == n:
-                return
-            # At most up to the end of a piece per call: the piece is then still in this CPU's cache
-            # when it is checksummed (a pass over the whole buffer afterwards reads it from memory).
-            stop = min(n, (got // step + 1) * step)
-            k = self.sock.recv_into(view[got:stop], stop - got, self.waitall)
+        while got < n:
+            k = self.sock.recv_into(view[got:], 0, self.waitall)
             if not k:
                 raise HTTPFailure(f"connection closed after {got} of {n} body bytes")
             got += k

@@ -21,7 +21,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import BinaryIO, Callable, Iterable, Protocol
+from typing import BinaryIO, Iterable, Protocol
 from xml.sax.saxutils import escape as xml_escape
 
 from . import errors, s3http
@@ -117,25 +117,6 @@ def boto_errors():
     return botocore.exceptions
 
 
-@dataclass(eq=False)
-class PieceSums:
-    """Asked of `Store.get` with `into`: the checksum (`fn`) of each `piece_bytes` piece of the
-    data, taken by a store that reads from the network as each piece arrives, while it is still in
-    the CPU's cache; a checksum of the whole buffer afterwards would read it all back from memory
-    (5-15 % of the daemon's CPU in a cold read, by perf). After the call, `sums` holds one
-    checksum per piece, or nothing where the store took none."""
-
-    piece_bytes: int
-    fn: Callable[[memoryview], int]
-    sums: list[int] = field(default_factory=list)
-
-    def start(self) -> None:
-        self.sums.clear()
-
-    def add(self, piece: memoryview) -> None:
-        self.sums.append(self.fn(piece))
-
-
 @dataclass(frozen=True, slots=True)
 class ObjectInfo:
     key: str
@@ -166,13 +147,12 @@ class Store(Protocol):
     def head(self, bucket: str, key: str) -> ObjectInfo: ...
 
     def get(self, bucket: str, key: str, start: int = 0, length: int | None = None, *,
-            etag: str | None = None, into: bytearray | None = None,
-            sums: PieceSums | None = None) -> tuple[bytes, ObjectInfo]:
+            etag: str | None = None, into: bytearray | None = None) -> tuple[bytes, ObjectInfo]:
         """Bytes [start, start+length) (to the end when length is None) and the object's info.
 
         With `etag`, fail with `StaleError` instead of returning bytes of another version. With
-        `into`, a store may read the data into that buffer and return a view of it, and take `sums`
-        of it on the way (optimisations a store is free to ignore).
+        `into`, a store may read the data into that buffer and return a view of it (an optimisation
+        a store is free to ignore).
         """
         ...
 
@@ -425,10 +405,9 @@ class S3Store:
         raise errors.StaleError(info.key)
 
     def get(self, bucket: str, key: str, start: int = 0, length: int | None = None, *,
-            etag: str | None = None, into: bytearray | None = None,
-            sums: PieceSums | None = None) -> tuple[bytes, ObjectInfo]:
+            etag: str | None = None, into: bytearray | None = None) -> tuple[bytes, ObjectInfo]:
         """Bytes-like data and the object's info. With `into` (a buffer at least `length` long) the
-        data is read into it, and a view of it is returned, `sums` taken as it arrives."""
+        data is read into it, and a view of it is returned."""
         if length == 0:
             return b"", self.head(bucket, key)  # an empty range cannot be expressed in HTTP
         if self._lean is None:
@@ -439,11 +418,9 @@ class S3Store:
         if etag:
             headers["if-match"] = f'"{etag}"'
         for attempt in range(1, self.max_attempts + 1):
-            r = self._lean_request("get", "GET", bucket, key, headers, into=into, sums=sums)
+            r = self._lean_request("get", "GET", bucket, key, headers, into=into)
             try:
                 data, total = _ranged_body(r, start, length, "range" in headers, key)
-                if sums is not None and len(data) != len(r.body):
-                    sums.start()  # a whole object cut to the range: its last piece was summed whole
                 break
             except errors.StoreError as e:
                 # An answer for other bytes than asked (a proxy or server bug; a cut connection
@@ -462,7 +439,7 @@ class S3Store:
     def _lean_request(self, op: str, method: str, bucket: str, key: str, headers: dict,
                       into: bytearray | None = None, query: dict | None = None,
                       body: bytes | bytearray | memoryview | None = None,
-                      error_in_ok: bool = False, sums: PieceSums | None = None) -> s3http.Response:
+                      error_in_ok: bool = False) -> s3http.Response:
         """One logical request with retries: transient failures (5xx, throttling, broken
         connections) are retried with jittered exponential backoff, like botocore's standard mode.
         `error_in_ok`: a 200 answer may carry an error document (CompleteMultipartUpload,
@@ -475,7 +452,7 @@ class S3Store:
             self._counters.add("attempts")
             try:
                 r = self._lean.request(method, bucket, key, headers, into=into, query=query, body=body,
-                                       sign_body=self.payload_signing, sums=sums)
+                                       sign_body=self.payload_signing)
             except s3http.SourceShort as e:
                 self._counters.add("errors")
                 raise errors.StoreError(errors.EIO, f"upload source changed: {e}", key=key,
@@ -798,8 +775,7 @@ class LocalStore:
         return self._info(key, st)
 
     def get(self, bucket: str, key: str, start: int = 0, length: int | None = None, *,
-            etag: str | None = None, into: bytearray | None = None,
-            sums: PieceSums | None = None) -> tuple[bytes, ObjectInfo]:
+            etag: str | None = None, into: bytearray | None = None) -> tuple[bytes, ObjectInfo]:
         self._counters.add("get")
         try:
             with open(self._path(bucket, key), "rb") as f:
@@ -1033,8 +1009,7 @@ class MemoryStore:
         return ObjectInfo(key, len(o.data), o.etag, o.mtime_ns)
 
     def get(self, bucket: str, key: str, start: int = 0, length: int | None = None, *,
-            etag: str | None = None, into: bytearray | None = None,
-            sums: PieceSums | None = None) -> tuple[bytes, ObjectInfo]:
+            etag: str | None = None, into: bytearray | None = None) -> tuple[bytes, ObjectInfo]:
         self._counters.add("get")
         o = self._obj(bucket, key)
         if etag and o.etag != etag:

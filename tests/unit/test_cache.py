@@ -50,26 +50,6 @@ def test_a_segment_holds_consecutive_blocks(tmp_path):
     assert c.statistics()["segments"] == 1 and c.statistics()["blocks"] == 8
 
 
-def test_checksums_taken_on_the_way_in_are_the_ones_kept(tmp_path, monkeypatch):
-    """The read path hands over the checksums the store client took as the bytes arrived: they are
-    kept as they are (not taken again, which would read the whole buffer back from memory). Wrong
-    ones would only ever cost a fetch: the block reads back as damaged, never as other bytes."""
-    c = make(tmp_path)
-    data = os.urandom(3 * MiB - 100)
-    sums = [cache_mod.block_checksum(data[k * MiB:(k + 1) * MiB]) for k in range(3)]
-    taken = []
-    real = cache_mod.block_checksum
-    monkeypatch.setattr(cache_mod, "block_checksum", lambda b: taken.append(len(b)) or real(b))
-    assert c.put_blocks(v(), 0, data, sums=sums) and taken == []
-    assert c.put_blocks(v("wrong"), 0, data, sums=[1, 2, 3]) and taken == []
-    assert c.put_blocks(v("short"), 0, data, sums=sums[:2])  # not one per block: taken here
-    assert taken == [MiB, MiB, MiB - 100]
-    monkeypatch.undo()
-    assert c.get_block(v(), 2) == data[2 * MiB:]
-    assert c.get_block(v("wrong"), 0) is None
-    assert c.get_block(v("short"), 1) == data[MiB:2 * MiB]
-
-
 def test_consecutive_blocks_are_read_into_the_callers_buffer_across_segments(tmp_path):
     c = make(tmp_path)
     data = os.urandom(11 * MiB - 100)  # segments of 4, 4 and 3 blocks, the last block short

@@ -16,7 +16,6 @@ from ucfs.aiostore import AsyncStore
 from ucfs.cache import BlockCache, ObjectVersion
 from ucfs.config import KiB, MiB, MountConfig
 from ucfs.errors import StaleError, StoreError
-from ucfs import cache as cache_mod
 from ucfs import prefetch
 from ucfs.prefetch import MemoryBudget, ObjectReader
 from ucfs.store import MemoryStore
@@ -38,7 +37,7 @@ class CountingStore(MemoryStore):
 class PooledStore(CountingStore):
     """CountingStore that reads into the buffer it is given, as the S3 store does."""
 
-    def get(self, bucket, key, start=0, length=None, *, etag=None, into=None, sums=None):
+    def get(self, bucket, key, start=0, length=None, *, etag=None, into=None):
         data, info = super().get(bucket, key, start, length, etag=etag)
         if into is None:
             return data, info
@@ -482,20 +481,6 @@ def test_idle_pooled_buffers_and_data_in_use_together_stay_in_the_budget(cfg, ca
     assert peak <= cfg.readahead_budget_bytes + 2 * cfg.block_bytes, peak / MiB
 
 
-def whole_reads(store, cache, cfg, budget, pool, data):
-    """A trio function reading the whole object through one handle whose GETs go into `pool`'s
-    buffers, each 128 KiB checked against `data`; it returns the handle's statistics."""
-    async def read_all():
-        async with trio.open_nursery() as n:
-            r = await open_reader(store, cache, cfg, n, budget=budget)
-            r.pool = pool
-            for off in range(0, len(data), 128 * KiB):
-                assert bytes(await r.read(off, 128 * KiB)) == data[off:off + 128 * KiB]
-            r.close()
-            return r.stats
-    return read_all
-
-
 def test_a_reread_from_the_disk_cache_comes_in_whole_parts_into_pooled_buffers(cfg, cache):
     """A second epoch from the disk cache read each block into a fresh 1 MiB buffer, one disk
     thread call per block: in a re-read after a remount the page faults of those buffers took the
@@ -512,7 +497,14 @@ def test_a_reread_from_the_disk_cache_comes_in_whole_parts_into_pooled_buffers(c
             return _f(*a, **kw)
         setattr(cache, name, counted)
 
-    read_all = whole_reads(store, cache, cfg, budget, pool, data)
+    async def read_all():
+        async with trio.open_nursery() as n:
+            r = await open_reader(store, cache, cfg, n, budget=budget)
+            r.pool = pool
+            for off in range(0, len(data), 128 * KiB):
+                assert bytes(await r.read(off, 128 * KiB)) == data[off:off + 128 * KiB]
+            r.close()
+            return r.stats
 
     run(read_all)  # cold: ranged GETs into pooled buffers, written to the disk cache
     gets, reused, faults = len(store.ranges), pool.reused, dict(calls)
@@ -526,42 +518,6 @@ def test_a_reread_from_the_disk_cache_comes_in_whole_parts_into_pooled_buffers(c
     assert pool.reused - reused >= parts - 1, (pool.reused, reused, parts)
 
 
-class SummingStore(PooledStore):
-    """PooledStore that takes the checksums asked for as the S3 store does, piece by piece."""
-
-    def get(self, bucket, key, start=0, length=None, *, etag=None, into=None, sums=None):
-        data, info = super().get(bucket, key, start, length, etag=etag, into=into)
-        if sums is not None and into is not None:
-            sums.start()
-            for i in range(0, len(data), sums.piece_bytes):
-                sums.add(data[i:i + sums.piece_bytes])
-        return data, info
-
-
-def test_blocks_fetched_into_pooled_buffers_are_cached_with_the_stores_checksums(cfg, cache, monkeypatch):
-    """The disk cache took each block's checksum again, reading every buffer back from memory
-    after the store client had just written it (5-15 % of the daemon's CPU in a cold read, by
-    perf). Now the checksums taken as the bytes arrived go with the run to the cache; the re-read
-    checks them."""
-    store = SummingStore()
-    data = make_object(store, 64 * MiB)
-    budget = MemoryBudget(cfg.readahead_budget_bytes)
-    pool = prefetch.BufferPool(cfg.part_bytes, budget)
-    taken = []
-    real = cache_mod.block_checksum
-    monkeypatch.setattr(cache_mod, "block_checksum", lambda b: taken.append(len(b)) or real(b))
-
-    read_all = whole_reads(store, cache, cfg, budget, pool, data)
-
-    run(read_all)
-    cold_sums, gets = len(taken), len(store.ranges)
-    # Runs too small for the pool (the first, while the window ramps up) have no pooled buffer.
-    assert cold_sums <= cfg.part_bytes // cfg.block_bytes, taken
-    stats = run(read_all)  # from the disk cache: each block checked against what was kept
-    assert len(store.ranges) == gets and stats["cache_hit_blocks"] == 64
-    assert len(taken) - cold_sums == 64
-
-
 class CutShortStore(PooledStore):
     """PooledStore whose first ranged GET fails part-way through its body, as a reset connection
     does: the failing call still holds a view of the buffer it was reading into."""
@@ -570,7 +526,7 @@ class CutShortStore(PooledStore):
         super().__init__()
         self.failures = 1
 
-    def get(self, bucket, key, start=0, length=None, *, etag=None, into=None, sums=None):
+    def get(self, bucket, key, start=0, length=None, *, etag=None, into=None):
         if into is not None and self.failures:
             self.failures -= 1
             body = memoryview(into)[:length]  # the body, half read

@@ -13,12 +13,11 @@ import botocore.auth
 import botocore.awsrequest
 import botocore.credentials
 import pytest
-import xxhash
 
 from ucfs import errors
 from ucfs.s3http import (Credentials, FileBody, LeanClient, Signer, SourceShort, canonical_query, embedded_error,
                          parse_error, parse_list, proxy_for, uri_encode_path, xml_text)
-from ucfs.store import PieceSums, S3Store
+from ucfs.store import S3Store
 
 
 @pytest.mark.parametrize("key", ["plain.bin", "dir/sub dir/naïve+file (1).txt", "a%2Fb~c", "日本/データ"])
@@ -581,37 +580,3 @@ def test_the_proxy_is_the_environments_unless_no_proxy_covers_the_host(monkeypat
     with pytest.raises(ValueError, match="only http:// proxies"):
         LeanClient("https://s3.amazonaws.com", region="us-east-1", path_style=True,
                    credentials=lambda: Credentials("AK", "SK"), pool_size=1, timeout_s=5)
-
-
-def test_a_body_read_into_a_buffer_is_checksummed_piece_by_piece_as_it_arrives():
-    """`PieceSums` gets each piece of the body once it is whole, whatever segments carried it (the
-    first bytes arrive with the head), and the partial last piece too; the disk cache then keeps
-    these checksums instead of reading the whole buffer back from memory to take them."""
-    body = os.urandom(200_000)
-    srv = _Scripted([
-        [b"HTTP/1.1 200 OK\r\nContent-Length: 200000\r\n\r\n" + body[:70_000], body[70_000:70_001],
-         body[70_001:]],
-        _ok(body),
-    ])
-    c = srv.client()
-    sums = PieceSums(65536, xxhash.xxh3_64_intdigest)
-    r = c.request("GET", "b", "k", into=bytearray(200_000), sums=sums)
-    assert bytes(r.body) == body
-    assert sums.sums == [xxhash.xxh3_64_intdigest(body[i:i + 65536]) for i in range(0, 200_000, 65536)]
-    # A body that does not go into the buffer (too small) leaves no checksums of an earlier one.
-    r = c.request("GET", "b", "k", into=bytearray(10), sums=sums)
-    assert bytes(r.body) == body and sums.sums == []
-    c.close()
-    srv.close()
-
-
-def test_a_whole_object_cut_to_the_range_asked_gives_no_checksums():
-    """Its last piece was summed with the bytes past the range: not the checksum of what is returned."""
-    obj = bytes(range(256)) * 4
-    srv = _Scripted([b"HTTP/1.1 200 OK\r\nContent-Length: 1024\r\nETag: \"e\"\r\n\r\n" + obj])
-    try:
-        sums = PieceSums(256, xxhash.xxh3_64_intdigest)
-        data, _ = _store_at(srv).get("b", "k", 0, 300, etag="e", into=bytearray(2048), sums=sums)
-        assert bytes(data) == obj[:300] and sums.sums == []
-    finally:
-        srv.close()
