@@ -61,6 +61,11 @@ UPLOAD_PARTS_IN_FLIGHT = 16
 SETUP_THREADS = 32
 # Tensors the checkpoint's state dict is made of: a model's worth of layers, not one giant blob.
 CKPT_TENSORS = 16
+# Free space the loader's cache leaves on its disk, in place of UCVolumeDataset's default (8 GiB, a
+# host's margin for everything else on it). The bench's cache holds only its own sample files and
+# goes with the run; with the default, a disk with less than 8 GiB free had every file bypass the
+# cache, and epoch 1 measured reads through the mount instead of what torchio does.
+BENCH_FREE_FLOOR_BYTES = 256 * MiB
 
 
 # Workers by default: one per CPU this process may use (more than that, torch's DataLoader itself
@@ -356,24 +361,43 @@ def measure_plain(root: str, workers: int, batch: int) -> tuple[float, float, in
     return listing + e1, e2, n
 
 
+def check_cache_room(cache_dir: str, nbytes: int) -> None:
+    """Refuse to measure a loader cache that cannot hold the sample files: every file would bypass
+    it, and the figures would say nothing about torchio."""
+    probe = Path(cache_dir)
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    need = nbytes + BENCH_FREE_FLOOR_BYTES
+    if free < need:
+        raise BenchError(f"the loader's cache under {cache_dir} needs {need / MiB:,.0f} MiB free "
+                         f"({nbytes / MiB:,.0f} MiB of samples and a margin of "
+                         f"{BENCH_FREE_FLOOR_BYTES / MiB:,.0f} MiB); that disk has {free / MiB:,.0f} MiB. "
+                         "Free some, or give --work-dir on another disk")
+
+
 def measure_torchio(root: str, cache_dir: str, workers: int, batch: int, between=None,
-                    direct: bool = True) -> tuple[float, float, int, list[int]]:
-    """(epoch 1 s including listing, epoch 2 s, samples, files fetched from the store directly in
-    each epoch) of UCVolumeDataset + torchio.DataLoader."""
+                    direct: bool = True) -> tuple[float, float, int, list[dict]]:
+    """(epoch 1 s including listing, epoch 2 s, samples, cache counters of each epoch: `direct`
+    files fetched from the store itself, `bypassed` files read from the mount for want of room) of
+    UCVolumeDataset + torchio.DataLoader."""
     from .dataset import UCVolumeDataset
     from .loader import DataLoader
 
     t0 = time.perf_counter()
-    ds = UCVolumeDataset(root, cache_dir=cache_dir, direct=direct)
+    ds = UCVolumeDataset(root, cache_dir=cache_dir, direct=direct, free_floor_bytes=BENCH_FREE_FLOOR_BYTES)
     loader = DataLoader(_decoding(ds), batch_size=batch, num_workers=workers, log_every_batches=0)
     listing = time.perf_counter() - t0
     e1, n = _epoch(loader)
-    direct1 = ds.statistics()["direct"]
+    after1 = ds.statistics()
     if between is not None:
         between()
     ds.set_epoch(1)
     e2, _ = _epoch(loader)
-    return listing + e1, e2, n, [direct1, ds.statistics()["direct"] - direct1]
+    after2 = ds.statistics()
+    keys = ("direct", "bypassed")
+    return listing + e1, e2, n, [{k: int(after1[k]) for k in keys},
+                                 {k: int(after2[k] - after1[k]) for k in keys}]
 
 
 @contextlib.contextmanager
@@ -392,20 +416,26 @@ def _credentials(env: dict):
                 os.environ[k] = v
 
 
-def loader_figures(plain: tuple[float, float, int], ours: tuple[float, float, int, list[int]],
+def loader_figures(plain: tuple[float, float, int], ours: tuple[float, float, int, list[dict]],
                    epoch2_gets: int | None, files: int, workers: int) -> list[Figure]:
     p1, p2, n = plain
-    t1, t2, m, direct = ours
+    t1, t2, m, counts = ours
     if n != files or m != files:
         raise BenchError(f"loaders yielded {n} and {m} samples, not {files}")
     w = f"{workers} workers"
+
+    def bypassed(c: dict) -> str:
+        # Files the cache had no room for were read from the mount: the epoch measured that instead.
+        return f", {c['bypassed']} bypassed the cache (no room)" if c["bypassed"] else ""
+
     return [
         Figure("loader.plain.epoch1", p1, "s", note=f"{files / p1:,.0f} samples/s, {w}"),
         Figure("loader.plain.epoch2", p2, "s", note=f"{files / p2:,.0f} samples/s (mount cache warm)"),
-        Figure("loader.torchio.epoch1", t1, "s", p1, p1 / t1, 3.0, f"{files / t1:,.0f} samples/s, {direct[0]} "
-               "fetched from the store directly; ratio: plain epoch 1 / this"),
+        Figure("loader.torchio.epoch1", t1, "s", p1, p1 / t1, 3.0, f"{files / t1:,.0f} samples/s, "
+               f"{counts[0]['direct']} fetched from the store directly{bypassed(counts[0])}; "
+               "ratio: plain epoch 1 / this"),
         Figure("loader.torchio.epoch2", t2, "s", p1, p1 / t2, 10.0, f"{files / t2:,.0f} samples/s"
-               + ("" if epoch2_gets is None else f", store GETs: {epoch2_gets}")),
+               + ("" if epoch2_gets is None else f", store GETs: {epoch2_gets}") + bypassed(counts[1])),
     ]
 
 
@@ -494,7 +524,11 @@ class Bench:
     # -- over an existing mount -------------------------------------------------------------------
     def _loaders_on_path(self, root: str) -> None:
         a = self.a
-        files = sum(len(fs) for _, _, fs in os.walk(root))
+        files = nbytes = 0
+        for d, _, fs in os.walk(root):
+            files += len(fs)
+            nbytes += sum(os.stat(os.path.join(d, f)).st_size for f in fs)
+        check_cache_room(str(self.work / "cache"), nbytes)
         say(f"{files} files under {root}; plain DataLoader first, then torchio ({a.workers} workers)")
         plain = measure_plain(root, a.workers, a.batch_size)
         ours = measure_torchio(root, str(self.work / "cache"), a.workers, a.batch_size, direct=not a.no_direct)
@@ -558,6 +592,7 @@ class Bench:
 
     def _loaders(self, catalog: Path, env: dict) -> None:
         a = self.a
+        check_cache_room(str(self.work / "torchio-cache"), a.files * a.file_size)
         say(f"plain DataLoader over the mounted paths, fresh mount ({a.files} files, {a.workers} workers)")
         with Mount(self.work, "plain", catalog, env, self._leave) as m:
             plain = measure_plain(str(m.volume()), a.workers, a.batch_size)
@@ -570,7 +605,7 @@ class Bench:
                                        a.batch_size, between=lambda: gets.append(m.gets()),
                                        direct=not a.no_direct)
             gets.append(m.gets())
-            gets[1] += ours[3][1]  # epoch 2's direct fills were store GETs too
+            gets[1] += ours[3][1]["direct"]  # epoch 2's direct fills were store GETs too
         say(f"torchio: epoch 1 {ours[0]:.2f} s, epoch 2 {ours[1]:.2f} s")
         self.figures += loader_figures(plain, ours, gets[1] - gets[0] if min(gets) >= 0 else None, a.files,
                                        a.workers)
