@@ -115,3 +115,42 @@ def test_the_test_bucket_is_made_in_the_endpoints_region_and_a_foreign_one_is_na
     stub.add_client_error("head_bucket", http_status_code=403, expected_params={"Bucket": "ucfs-test"})
     with stub, pytest.raises(RuntimeError, match="UCFS_TEST_BUCKET"):
         ensure_bucket(c, "ucfs-test", "us-east-1")
+
+
+def test_the_test_server_starts_on_a_disk_with_under_one_percent_free(tmp_path):
+    """The RGW fixture's cluster lives on the test host's disk. Its monitor judged free space in whole
+    percent, and with under 1 % free (a nearly full shared disk) it refused to start, and with it
+    every integration test. A sparse 200 GiB ext4 on a loop device, filled by fallocate to leave
+    about 600 MiB (0.3 %), stands in for such a disk."""
+    import shutil
+    import subprocess
+
+    from ucfs.testing.rgw import RGWServer
+
+    if shutil.which("radosgw") is None or shutil.which("mkfs.ext4") is None:
+        pytest.skip("radosgw or mkfs.ext4 is not installed (the suite runs on an endpoint it was given)")
+    image, disk = tmp_path / "disk.img", tmp_path / "disk"
+    disk.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(200 << 30)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", "-E", "lazy_itable_init=1,lazy_journal_init=1",
+                    str(image)], check=True, capture_output=True)
+    r = subprocess.run(["mount", "-o", "loop", str(image), str(disk)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a loop device here: {r.stderr.strip()}")
+    try:
+        free = shutil.disk_usage(disk).free
+        subprocess.run(["fallocate", "-l", str(free - (600 << 20)), str(disk / "filler")], check=True)
+        usage = shutil.disk_usage(disk)
+        assert usage.free * 100 // usage.total == 0, usage
+        server = RGWServer(str(disk / "rgw"), memstore_bytes=256 << 20)
+        endpoint = server.start()
+        try:
+            s3 = client(endpoint)
+            s3.create_bucket(Bucket="nearly-full")
+            s3.put_object(Bucket="nearly-full", Key="k", Body=b"still served")
+            assert s3.get_object(Bucket="nearly-full", Key="k")["Body"].read() == b"still served"
+        finally:
+            server.stop()
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)

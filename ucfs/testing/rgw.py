@@ -520,10 +520,12 @@ class RGWServer:
             "osd pool default pg autoscale mode": "off",
             "mon max pg per osd": "1000",
             # Health warnings that are expected here; and never shut the mon down because
-            # the shared disk is nearly full (mon data avail crit defaults to 5%).
+            # the shared disk is nearly full (mon data avail crit defaults to 5%). Not 0: the mon
+            # compares the whole percent free, so with under 1 % free (2.5 GB of a 252 GB disk)
+            # 0 refused to start ("available: 0%"), and with it every integration test.
             "mon warn on pool no redundancy": "false",
             "mon data avail warn": "1",
-            "mon data avail crit": "0",
+            "mon data avail crit": "-1",
             # Quiet logs: errors still land in <log_dir>/<name>.log.
             **{f"debug {s}": ("20/20" if self.debug and s == "rgw" else quiet)
                for s in ("rgw", "ms", "mon", "paxos", "osd", "bluestore", "bluefs", "rocksdb",
