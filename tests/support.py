@@ -296,6 +296,14 @@ def wait_until(pred, timeout: float, interval: float = 0.05):
         time.sleep(interval)
 
 
+# The free space a test mount's cache and staging leave on the disk (`--min-free`; a test's own
+# --min-free wins). The default, 1 GiB, is a host's margin. A CI machine's disk has had little free
+# (a few GiB, and once 287 MB, on machines of its kind), and below the margin every block read
+# bypasses the cache: tests of caching then failed for a reason that was not theirs. The tests of a
+# full disk set their own, on a small disk of their own.
+TEST_MIN_FREE = "64M"
+
+
 @dataclass
 class Mount:
     """One `ucfs mount --foreground` daemon in a subprocess, on its own mountpoint and cache."""
@@ -335,7 +343,8 @@ class Mount:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ucfs", "mount", str(self.mountpoint), "--foreground", "--config", str(cat),
-             "--cache-dir", str(self.state_dir), "--log-level", "debug", *self.extra_args],
+             "--cache-dir", str(self.state_dir), "--log-level", "debug", "--min-free", TEST_MIN_FREE,
+             *self.extra_args],
             stdout=log, stderr=subprocess.STDOUT, env=self.env(), cwd=REPO, preexec_fn=self._limits)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
