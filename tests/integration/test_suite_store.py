@@ -6,6 +6,8 @@ loopback proxy in front of an endpoint from the environment)."""
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import subprocess
 import urllib.parse
 
 import boto3
@@ -13,7 +15,7 @@ import botocore.config
 import pytest
 
 from tests.support import ProxyStoreRequests, delete_prefix, ensure_bucket, keys, proxy_unusable, wait_until
-from ucfs.testing.rgw import S3Endpoint
+from ucfs.testing.rgw import RGWServer, S3Endpoint
 from ucfs.testing.faults import FaultProxy
 
 
@@ -122,11 +124,6 @@ def test_the_test_server_starts_on_a_disk_with_under_one_percent_free(tmp_path):
     percent, and with under 1 % free (a nearly full shared disk) it refused to start, and with it
     every integration test. A sparse 200 GiB ext4 on a loop device, filled by fallocate to leave
     about 600 MiB (0.3 %), stands in for such a disk."""
-    import shutil
-    import subprocess
-
-    from ucfs.testing.rgw import RGWServer
-
     if shutil.which("radosgw") is None or shutil.which("mkfs.ext4") is None:
         pytest.skip("radosgw or mkfs.ext4 is not installed (the suite runs on an endpoint it was given)")
     image, disk = tmp_path / "disk.img", tmp_path / "disk"
