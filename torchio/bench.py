@@ -49,7 +49,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ucfs.config import MiB, parse_size
+from ucfs.config import MiB, format_size, parse_size
 
 log = logging.getLogger(__name__)
 
@@ -370,9 +370,9 @@ def check_cache_room(cache_dir: str, nbytes: int) -> None:
     free = shutil.disk_usage(probe).free
     need = nbytes + BENCH_FREE_FLOOR_BYTES
     if free < need:
-        raise BenchError(f"the loader's cache under {cache_dir} needs {need / MiB:,.0f} MiB free "
-                         f"({nbytes / MiB:,.0f} MiB of samples and a margin of "
-                         f"{BENCH_FREE_FLOOR_BYTES / MiB:,.0f} MiB); that disk has {free / MiB:,.0f} MiB. "
+        raise BenchError(f"the loader's cache under {cache_dir} needs {format_size(need)} free "
+                         f"({format_size(nbytes)} of samples and a margin of "
+                         f"{format_size(BENCH_FREE_FLOOR_BYTES)}); that disk has {format_size(free)}. "
                          "Free some, or give --work-dir on another disk")
 
 

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from . import __version__, control
-from .config import MiB, MountConfig, parse_size
+from .config import MiB, MountConfig, format_size, parse_size
 from .errors import UcfsError
 from .prefetch import anonymous_buffer
 
@@ -381,14 +381,6 @@ def _ratio_figure(name: str, value: float, unit: str, ceiling: float | None, *, 
         f.target = f"<= {at_most:g}"
         f.passed = None if f.ratio is None else f.ratio <= at_most
     return f
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit, mult in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= mult:
-            v = n / mult
-            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.1f} {unit}"
-    return f"{n:.0f} B"
 
 
 def _fmt_num(v: float | None) -> str:
@@ -1061,7 +1053,7 @@ class Bench:
         avail = _mem_available()
         say(f"{name}: CPUs {busy:.0f}% busy, {shares['iowait']:.0f}% waiting for the disk, "
             f"{shares['steal']:.0f}% stolen by the hypervisor, {shares['idle']:.0f}% idle"
-            + ("" if avail is None else f"; memory available at the end {_fmt_bytes(avail)}"))
+            + ("" if avail is None else f"; memory available at the end {format_size(avail)}"))
         procs = _cpu_by_process(since, now, self.mount_pids)
         self.phase_cpu_seconds[name] = dict(procs)
         say(f"{name}: CPU seconds by process: " + ", ".join(f"{n} {v:.1f}" for n, v in procs))
@@ -1111,8 +1103,8 @@ class Bench:
         need = 4 * o.size + 4 * small if any(o.wants(p) for p in WRITE_PHASES) else o.size + 3 * small
         free = shutil.disk_usage(self.work).free
         if free < need + (1 << 30):
-            raise BenchError(f"{self.work}: {_fmt_bytes(free)} free, the bench needs about "
-                             f"{_fmt_bytes(need + (1 << 30))} there (choose another --work-dir or a smaller --size)")
+            raise BenchError(f"{self.work}: {format_size(free)} free, the bench needs about "
+                             f"{format_size(need + (1 << 30))} there (choose another --work-dir or a smaller --size)")
 
     def _start_rgw(self) -> Endpoint:
         try:
@@ -1190,13 +1182,13 @@ class Bench:
             have = -1
         if have != o.size:
             self._need(upload, f"large object {large_key}")
-            say(f"setup: uploading the large object ({_fmt_bytes(o.size)}) to {large_key}")
+            say(f"setup: uploading the large object ({format_size(o.size)}) to {large_key}")
             self._upload_random(large_key, o.size)
         small = list_sizes(s3, o.bucket, lay.data + lay.small_dir + "/")
         missing = [i for i in range(o.small_files) if small.get(lay.data + lay.small(i)) != o.small_size]
         if missing:
             self._need(upload, f"{len(missing)} small files under {lay.data + lay.small_dir}/")
-            say(f"setup: uploading {len(missing)} small files of {_fmt_bytes(o.small_size)}")
+            say(f"setup: uploading {len(missing)} small files of {format_size(o.small_size)}")
             run_parallel(lambda i: s3.put_object(Bucket=o.bucket, Key=lay.data + lay.small(i),
                                                  Body=os.urandom(o.small_size)), missing, SETUP_THREADS)
         entries = list_sizes(s3, o.bucket, lay.data + lay.listing_dir + "/")
@@ -1241,7 +1233,7 @@ class Bench:
         o = self.o
         self.src_large = self.work / f"src-large-{o.size}.bin"
         if not self.src_large.exists() or self.src_large.stat().st_size != o.size:
-            say(f"preparing a local source file of {_fmt_bytes(o.size)}")
+            say(f"preparing a local source file of {format_size(o.size)}")
             _write_random(self.src_large, o.size)
         self.src_small = self.work / f"src-small-{o.small_files}x{o.small_size}"
         self.src_small.mkdir(exist_ok=True)
@@ -1284,7 +1276,7 @@ class Bench:
         o = self.o
         dt = self._direct_read("ceiling.read")
         rate = o.size / dt / 1e6
-        say(f"ceiling.read: {_fmt_bytes(o.size)} in {dt:.2f} s = {rate:.0f} MB/s")
+        say(f"ceiling.read: {format_size(o.size)} in {dt:.2f} s = {rate:.0f} MB/s")
         self._figure(Figure("ceiling.read", rate, "MB/s"), seconds=dt, bytes=o.size)
 
     def ceiling_read_keep(self) -> None:
@@ -1337,7 +1329,7 @@ class Bench:
             os.close(fd)
             dst.unlink(missing_ok=True)  # at once: its pages would crowd the next phases' memory
         rate = o.size / dt / 1e6
-        say(f"ceiling.read_keep: {_fmt_bytes(o.size)} in {dt:.2f} s = {rate:.0f} MB/s, all on disk after "
+        say(f"ceiling.read_keep: {format_size(o.size)} in {dt:.2f} s = {rate:.0f} MB/s, all on disk after "
             f"{kept:.2f} s" + ("" if direct else " (buffered writes: the file system refused O_DIRECT)"))
         read = self.figures.get("ceiling.read")
         self._figure(_ratio_figure("ceiling.read_keep", rate, "MB/s", read and read.value,
@@ -1360,10 +1352,10 @@ class Bench:
     def ceiling_put(self) -> None:
         o = self.o
         nparts = math.ceil(o.size / PART_BYTES)
-        say(f"ceiling.put: multipart upload of {_fmt_bytes(o.size)} in {nparts} parts, {o.concurrency} at a time")
+        say(f"ceiling.put: multipart upload of {format_size(o.size)} in {nparts} parts, {o.concurrency} at a time")
         dt = self._direct_upload("ceiling/large.bin")
         rate = o.size / dt / 1e6
-        say(f"ceiling.put: {_fmt_bytes(o.size)} in {dt:.2f} s = {rate:.0f} MB/s")
+        say(f"ceiling.put: {format_size(o.size)} in {dt:.2f} s = {rate:.0f} MB/s")
         self._figure(Figure("ceiling.put", rate, "MB/s"), seconds=dt, bytes=o.size, parts=nparts)
 
     def _direct_upload(self, name: str) -> float:
@@ -1412,7 +1404,7 @@ class Bench:
         return dt
 
     def ceiling_local_write(self) -> None:
-        say(f"ceiling.local_write: dd of {_fmt_bytes(self.o.size)} to {self.work} with conv=fsync")
+        say(f"ceiling.local_write: dd of {format_size(self.o.size)} to {self.work} with conv=fsync")
         dt = self._local_write("ceiling.local_write")
         say(f"ceiling.local_write: {dt:.2f} s = {self.o.size / dt / 1e6:.0f} MB/s")
         self._figure(Figure("ceiling.local_write", dt, "s"), bytes=self.o.size)
@@ -1483,7 +1475,7 @@ class Bench:
             cold = o.size / dt / 1e6
             if self.o.wants("mount.cold_read"):
                 req = _request_delta(r0, r1)
-                say(f"mount.cold_read: {_fmt_bytes(o.size)} in {dt:.2f} s = {cold:.0f} MB/s "
+                say(f"mount.cold_read: {format_size(o.size)} in {dt:.2f} s = {cold:.0f} MB/s "
                     f"(requests: {_fmt_requests(req)})")
                 ceiling = self.figures.get("ceiling.read")
                 self._figure(_ratio_figure("mount.cold_read", cold, "MB/s", ceiling and ceiling.value,
@@ -1520,7 +1512,7 @@ class Bench:
             raise BenchError(f"mount.remount_read: {req['get']} GETs reached the store; the disk cache "
                              f"should have served every block (mount log: {m.log_tail(5)})")
         rate = o.size / dt / 1e6
-        say(f"mount.remount_read: {_fmt_bytes(o.size)} in {dt:.2f} s = {rate:.0f} MB/s "
+        say(f"mount.remount_read: {format_size(o.size)} in {dt:.2f} s = {rate:.0f} MB/s "
             f"(requests: {_fmt_requests(req)})")
         self._figure(_ratio_figure("mount.remount_read", rate, "MB/s", cold,
                                    note="no target: after a remount, from the disk cache; ceiling column: "
@@ -1634,7 +1626,7 @@ class Bench:
             target = self._vol(m, "scratch") / "written.bin"
             c0 = (m.status().get("commits") or {}).get("committed", 0)
             r0 = m.requests()
-            say(f"mount.write: dd of {_fmt_bytes(o.size)} into the mount, then waiting for the commit")
+            say(f"mount.write: dd of {format_size(o.size)} into the mount, then waiting for the commit")
             log_at = m.log_end()
             cpu0 = m.thread_cpu()
             t0 = time.monotonic()
@@ -1730,7 +1722,7 @@ class Bench:
             f"{' '.join(f'{x:.2f}' for x in self.loadavg_start)} at start, "
             f"{' '.join(f'{x:.2f}' for x in load_end)} at end",
             f"store {where}, bucket {o.bucket}, prefix {o.prefix or '(none)'}; latency: {latency}",
-            f"large object {_fmt_bytes(o.size)}, {o.small_files} small files of {_fmt_bytes(o.small_size)}, "
+            f"large object {format_size(o.size)}, {o.small_files} small files of {format_size(o.small_size)}, "
             f"{o.listing_entries} listing entries; ceilings: {o.concurrency} x {PART_BYTES // MiB} MiB ranges, "
             f"{SMALL_PARALLEL} threads for small files",
         ]

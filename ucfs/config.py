@@ -187,6 +187,15 @@ class MountConfig:
         return dataclasses.replace(self, **changes)
 
 
+def format_size(n: float) -> str:
+    """Bytes for people: 1.5 GiB, 300 MiB, 20 KiB, 512 B (binary units, as `parse_size` reads them)."""
+    for unit, mult in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= mult:
+            v = n / mult
+            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
 def parse_size(text: str) -> int:
     """'10G', '512M', '1.5GiB', '4096' -> bytes (binary units; a bare number is bytes)."""
     s = text.strip().upper().removesuffix("B").removesuffix("I")
