@@ -47,6 +47,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ucfs.config import format_size
+
 log = logging.getLogger(__name__)
 
 LAYOUT = "v1"
@@ -260,9 +262,19 @@ class FileCache:
     def _note_bypass(self, src: SourceFile) -> None:
         level = logging.DEBUG if self._warned_bypass else logging.WARNING
         self._warned_bypass = True
-        log.log(level, "cache %s has no room for %s (%d bytes; capacity %d, free floor %d): reading it "
-                "from the mount instead", self.root, src.path, src.size, self.capacity_bytes,
-                self.free_floor_bytes)
+        if not log.isEnabledFor(level):
+            return
+        # Once per process as a warning: the numbers a user needs to see which bound it is (a disk
+        # fuller than the floor is the usual one) and the options that move them.
+        try:
+            free = format_size(self._free_bytes())
+        except OSError:
+            free = "an unknown amount"
+        log.log(level, "cache %s has no room for %s (%s): its disk has %s free and the cache leaves "
+                "%s free (free_floor_bytes), holding at most %s (cache_size_bytes). Reading it from "
+                "the mount instead%s", self.root, src.path, format_size(src.size), free,
+                format_size(self.free_floor_bytes), format_size(self.capacity_bytes),
+                "" if level == logging.DEBUG else "; this is said once per process")
 
     # -- accounting -----------------------------------------------------------------------------
     def _reserve(self, nbytes: int) -> int | None:

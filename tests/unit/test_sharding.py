@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import multiprocessing
 import os
 import shutil
@@ -419,6 +420,21 @@ def test_cache_bypasses_what_cannot_fit(tmp_path):
     a, b, c = (src_file(tmp_path, n, 4000) for n in "abc")
     assert not busy.get(a).bypassed and not busy.get(b).bypassed
     assert busy.get(c).bypassed and busy.lookup(a) and busy.lookup(b)
+
+
+def test_a_bypass_says_once_which_bound_and_how_much_the_disk_has(tmp_path, monkeypatch, caplog):
+    """A disk fuller than the floor is the usual reason (CI's disk once had under 8 GiB free, the
+    default floor): the warning says how much the disk has and which options move the bounds."""
+    cache = FileCache(tmp_path / "c", capacity_bytes=64 << 30, free_floor_bytes=8 << 30)
+    monkeypatch.setattr(FileCache, "_free_bytes", lambda self: 5 << 30)
+    a, b = src_file(tmp_path, "a", 20 << 10), src_file(tmp_path, "b", 4000)
+    with caplog.at_level(logging.DEBUG, logger="torchio._cache"):
+        assert cache.get(a).bypassed and cache.get(b).bypassed
+    first, second = [r for r in caplog.records if "has no room" in r.getMessage()]
+    assert first.levelno == logging.WARNING and second.levelno == logging.DEBUG
+    assert (f"has no room for {a.path} (20 KiB): its disk has 5 GiB free and the cache leaves 8 GiB free "
+            "(free_floor_bytes), holding at most 64 GiB (cache_size_bytes)") in first.getMessage()
+    assert "said once per process" in first.getMessage()
 
 
 def test_cache_recounts_usage_after_drift(tmp_path):
