@@ -116,6 +116,15 @@ def _cpu_shares(before: list[int] | None, after: list[int] | None) -> dict[str, 
     return {k: round(100 * d / total, 1) for k, d in zip(_CPU_KINDS, delta)}
 
 
+def _busy_seconds(before: CpuReading, after: CpuReading) -> float | None:
+    """CPU seconds the whole machine worked between two readings (every process and the kernel;
+    not idle, not waiting for the disk, not stolen), or None where /proc/stat is not readable."""
+    if not before.machine or not after.machine:
+        return None
+    busy = [_CPU_KINDS.index(k) for k in ("user", "nice", "system", "irq", "softirq")]
+    return sum(after.machine[i] - before.machine[i] for i in busy) / os.sysconf("SC_CLK_TCK")
+
+
 def _mem_available() -> int | None:
     """MemAvailable of /proc/meminfo in bytes: how much could be had without swapping."""
     try:
@@ -1248,10 +1257,11 @@ class Bench:
 
     # -- ceilings -------------------------------------------------------------------------------
     def _direct_read(self, what: str, keep: Callable[[int, bytes], None] | None = None,
-                     slots: threading.Semaphore | None = None) -> float:
+                     slots: threading.Semaphore | None = None) -> tuple[float, float | None]:
         """The large object in `o.concurrency` parallel ranged GETs of PART_BYTES; seconds until the
-        last one arrived. `keep(offset, data)`, if given, takes each part (in the GET's thread); with
-        `slots`, each GET first takes one (`keep` gives it back)."""
+        last one arrived, and the CPU seconds the whole machine worked meanwhile. `keep(offset, data)`,
+        if given, takes each part (in the GET's thread); with `slots`, each GET first takes one
+        (`keep` gives it back)."""
         o = self.o
         s3 = make_client(self.measured, pool=o.concurrency)
         key = self.lay.data + self.lay.large
@@ -1268,16 +1278,17 @@ class Bench:
 
         say(f"{what}: {len(ranges)} ranged GETs of {PART_BYTES // MiB} MiB, {o.concurrency} at a time"
             + (", every part also written to local disk" if keep else ""))
-        t0 = time.monotonic()
+        cpu0, t0 = CpuReading.now(), time.monotonic()
         run_parallel(get, ranges, o.concurrency)
-        return time.monotonic() - t0
+        dt = time.monotonic() - t0
+        return dt, _busy_seconds(cpu0, CpuReading.now())
 
     def ceiling_read(self) -> None:
         o = self.o
-        dt = self._direct_read("ceiling.read")
+        dt, busy = self._direct_read("ceiling.read")
         rate = o.size / dt / 1e6
         say(f"ceiling.read: {format_size(o.size)} in {dt:.2f} s = {rate:.0f} MB/s")
-        self._figure(Figure("ceiling.read", rate, "MB/s"), seconds=dt, bytes=o.size)
+        self._figure(Figure("ceiling.read", rate, "MB/s"), seconds=dt, bytes=o.size, machine_cpu_s=busy)
 
     def ceiling_read_keep(self) -> None:
         """ceiling.read, every part also written to a local file beside the mount's cache, the way
@@ -1317,7 +1328,7 @@ class Bench:
 
         try:
             t0 = time.monotonic()
-            dt = self._direct_read("ceiling.read_keep", lambda off, data: pending.append(
+            dt, _ = self._direct_read("ceiling.read_keep", lambda off, data: pending.append(
                 writers.submit(write, off, data)), slots)
             for f in pending:
                 f.result()
@@ -1469,6 +1480,7 @@ class Bench:
             t0 = m.thread_cpu()
             cpu0 = CpuReading.now()
             dt, _ = _run_timed(dd, "mount.cold_read", mount=m)
+            busy = _busy_seconds(cpu0, CpuReading.now())
             self._note_cpu("mount.cold_read", cpu0)
             r1 = m.requests()
             self._note_daemon(m, "mount.cold_read", t0)
@@ -1478,8 +1490,12 @@ class Bench:
                 say(f"mount.cold_read: {format_size(o.size)} in {dt:.2f} s = {cold:.0f} MB/s "
                     f"(requests: {_fmt_requests(req)})")
                 ceiling = self.figures.get("ceiling.read")
+                # The same round's ceiling, so that the CPU bound (_bounds_text) pairs two moments
+                # of one round, as the ratio does.
+                ceiling_busy = self.details.get("ceiling.read", {}).get("machine_cpu_s")
                 self._figure(_ratio_figure("mount.cold_read", cold, "MB/s", ceiling and ceiling.value,
-                                           at_least=0.8), seconds=dt, requests=req)
+                                           at_least=0.8), seconds=dt, requests=req, machine_cpu_s=busy,
+                             ceiling_machine_cpu_s=ceiling_busy)
             if self.o.wants("mount.warm_read"):
                 cpu0 = CpuReading.now()
                 dt2, _ = _run_timed(dd, "mount.warm_read", mount=m)
@@ -1736,7 +1752,8 @@ class Bench:
         if verdicts:
             print(f"\n{sum(verdicts)} of {len(verdicts)} targets met")
         if bounds:
-            print("\nwhat this machine allows (from ceiling.read_keep and ceiling.write_pair):")
+            print("\nwhat this machine allows (from ceiling.read_keep, ceiling.write_pair and the CPU time "
+                  "of the reads):")
             print("\n".join(f"  {b}" for b in bounds))
         returned = _returned_to_host_kib()
         returned_mib = (None if returned is None or self.returned_kib_start is None
@@ -1778,6 +1795,16 @@ def _bounds_text(figures: dict[str, Figure], details: dict[str, dict]) -> list[s
         if cold is not None:
             line += f"; the mount's cold read is {cold.value / keep.value:.2f} x that"
         out.append(line)
+    cold_detail = details.get("mount.cold_read", {})
+    mount_cpu, ceiling_cpu = cold_detail.get("machine_cpu_s"), cold_detail.get("ceiling_machine_cpu_s")
+    if mount_cpu and ceiling_cpu:
+        # Where the CPUs are what limits both reads, each takes its work divided by the CPUs: the
+        # ratio of the work is then the most the cold read can reach, whatever the mount does with
+        # its time. The store server's work is in both.
+        out.append(f"cold read, CPU: the whole machine worked {ceiling_cpu:.2f} CPU-s for ceiling.read and "
+                   f"{mount_cpu:.2f} for the mount's cold read (server, daemon, kernel and reader); where "
+                   f"the CPUs are the limit, the cold read reaches at most {ceiling_cpu / mount_cpu:.2f} x "
+                   f"ceiling.read")
     local = figures.get("ceiling.local_write")
     put_s = details.get("ceiling.put", {}).get("seconds")
     pair_local, pair_put = figures.get("ceiling.write_pair.local"), figures.get("ceiling.write_pair.put")

@@ -114,7 +114,14 @@ def test_a_small_bench_runs_every_phase_and_reports_ratios(s3_endpoint, bucket, 
         assert figures[name]["target"] == "" and figures[name]["passed"] is None
     assert figures["ceiling.read_keep"]["ceiling"] == figures["ceiling.read"]["value"]
     assert "what this machine allows" in r.stdout and "close after a local sync" in r.stdout
-    assert len(doc["bounds"]) == 5 and doc["bounds"][0].startswith("cold read: keeping every part")
+    assert len(doc["bounds"]) == 6 and doc["bounds"][0].startswith("cold read: keeping every part")
+    # The CPU bound of the cold read: the whole machine's work in ceiling.read and in the cold read of
+    # the same round, and their quotient.
+    cold = doc["details"]["mount.cold_read"]
+    assert cold["machine_cpu_s"] > 0 and cold["ceiling_machine_cpu_s"] > 0, cold
+    assert cold["ceiling_machine_cpu_s"] == doc["details"]["ceiling.read"]["machine_cpu_s"]
+    bound = f"at most {cold['ceiling_machine_cpu_s'] / cold['machine_cpu_s']:.2f} x ceiling.read"
+    assert doc["bounds"][1].startswith("cold read, CPU:") and bound in doc["bounds"][1], doc["bounds"]
     left = [p.name for p in (tmp_path / "work").glob("*.bin") if not p.name.startswith("src-")]
     assert not left, f"local copies left behind: {left}"
     # Each phase's CPU line, in the log and in the JSON.
