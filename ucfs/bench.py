@@ -94,6 +94,8 @@ def say(msg: str) -> None:
 
 
 _CPU_KINDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+# The kinds that count as the machine working: not idle, not waiting for the disk, not stolen.
+_BUSY_KINDS = ("user", "nice", "system", "irq", "softirq")
 
 
 def _cpu_ticks() -> list[int] | None:
@@ -121,7 +123,7 @@ def _busy_seconds(before: CpuReading, after: CpuReading) -> float | None:
     not idle, not waiting for the disk, not stolen), or None where /proc/stat is not readable."""
     if not before.machine or not after.machine:
         return None
-    busy = [_CPU_KINDS.index(k) for k in ("user", "nice", "system", "irq", "softirq")]
+    busy = [_CPU_KINDS.index(k) for k in _BUSY_KINDS]
     return sum(after.machine[i] - before.machine[i] for i in busy) / os.sysconf("SC_CLK_TCK")
 
 
@@ -1058,7 +1060,7 @@ class Bench:
         if shares is None:
             return
         self.phase_cpu[name] = shares
-        busy = shares["user"] + shares["nice"] + shares["system"] + shares["irq"] + shares["softirq"]
+        busy = sum(shares[k] for k in _BUSY_KINDS)
         avail = _mem_available()
         say(f"{name}: CPUs {busy:.0f}% busy, {shares['iowait']:.0f}% waiting for the disk, "
             f"{shares['steal']:.0f}% stolen by the hypervisor, {shares['idle']:.0f}% idle"
