@@ -177,7 +177,9 @@ class Stats:
 
 @pytest.mark.slow
 def test_soak_readers_and_writers_against_a_model(mount_factory, s3, bucket, prefix):
-    m = mount_factory()
+    # A cache smaller than what the soak reads and writes (several GB in 150 s): eviction runs under
+    # the load, beside the readers it takes blocks from, and the disk the suite needs stays modest.
+    m = mount_factory(args=("--cache-size", "512M"))
     v = m.path()
     model, stats = Model(), Stats()
     failures: list[str] = []
@@ -297,6 +299,8 @@ def test_soak_readers_and_writers_against_a_model(mount_factory, s3, bucket, pre
     status = m.status()
     assert wait_until(lambda: m.status()["commits"]["pending"] == 0, timeout=60)
     assert status["commits"]["failed"] == 0
+    cache = status["cache"]
+    assert cache.get("evicted", 0) > 0 and cache["used_bytes"] <= cache["limit_bytes"] == 512 * MiB, cache
     stored = {}
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{prefix}/vol/"):
         stored.update({o["Key"][len(f"{prefix}/vol/"):]: o["Size"] for o in page.get("Contents", ())})
