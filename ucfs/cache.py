@@ -429,6 +429,14 @@ class BlockCache:
         d = version.digest
         self._ensure_subdir(d[:2])
         name = f"{d}.{first}.{count}"
+        with self._lock:
+            if name in self._lru:
+                # The same blocks of the same version, already here (two fetches of one part, or a
+                # commit's and a read's). Not written again: a removal of the segment (an
+                # eviction) between our rename and our indexing would have unlinked our file and
+                # left its name indexed, and its bytes counted, with nothing on disk.
+                self._lru.move_to_end(name)
+                return True
         size = _disk_bytes(HEADER_BYTES + len(data))
         if size > self.size_bytes:
             return False

@@ -389,3 +389,20 @@ def test_a_cache_directory_the_disk_cannot_list_is_a_miss_not_an_error(tmp_path,
     assert again.get_block(v(), 0) is None
     again.scan()
     assert again.wait_scanned(0)
+
+
+def test_blocks_already_here_are_not_written_again(tmp_path, monkeypatch):
+    """Two fetches of one part (or a commit's caching and a read's) put the same segment twice. The
+    second is not written: had an eviction removed the segment between its rename and its indexing,
+    the name would stay indexed and counted with no file on disk."""
+    c = make(tmp_path)
+    data = os.urandom(2 * MiB)
+    assert c.put_blocks(v(), 0, data)
+    used = c.statistics()["used_bytes"]
+    writes = []
+    real = c._write_file
+    monkeypatch.setattr(c, "_write_file", lambda *a: writes.append(a) or real(*a))
+    assert c.put_blocks(v(), 0, data)
+    assert writes == [] and c.statistics()["used_bytes"] == used and c.statistics()["puts"] == 1
+    assert c.put_blocks(v(), 2, data)  # other blocks of it are written as ever
+    assert len(writes) == 1
