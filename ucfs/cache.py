@@ -2,7 +2,10 @@
 
 Identity. A block is `block_bytes` (1 MiB) of one object version, identified by (store, bucket, key,
 ETag, block index). A changed object has a new ETag, so its old blocks are never asked for again:
-a change is a miss, never stale data, and the old blocks age out.
+a change is a miss, never stale data. Where the mount learns that a version is gone (it overwrote,
+renamed or deleted the object, or saw another ETag in the store), its blocks are deleted at once
+(`retire`) unless a handle still reads them: a checkpoint rewritten every epoch would otherwise fill
+the cache with dead versions and push out the data set. Versions nobody told us about age out.
 
 Storage. Blocks fetched together (one ranged GET: up to a part, 8 blocks) are written together, as
 one *segment* file::
@@ -148,6 +151,8 @@ class BlockCache:
         self._lru: collections.OrderedDict[str, int] = collections.OrderedDict()
         # (digest, block index) -> segment name holding it
         self._blocks: dict[tuple[str, int], str] = {}
+        # digest -> names of its segments (what `retire` deletes)
+        self._segments: dict[str, set[str]] = {}
         self._used = 0
         self._loaded_subdirs: set[str] = set()
         self._pins: collections.Counter[str] = collections.Counter()
@@ -225,6 +230,7 @@ class BlockCache:
         digest, first, count = _parse_name(name)  # type: ignore[misc]
         self._lru[name] = size
         self._used += size
+        self._segments.setdefault(digest, set()).add(name)
         for i in range(first, first + count):
             self._blocks[(digest, i)] = name
 
@@ -432,8 +438,8 @@ class BlockCache:
         with self._lock:
             if name in self._lru:
                 # The same blocks of the same version, already here (two fetches of one part, or a
-                # commit's and a read's). Not written again: a removal of the segment (an
-                # eviction) between our rename and our indexing would have unlinked our file and
+                # commit's and a read's). Not written again: a removal of the segment (eviction,
+                # `retire`) between our rename and our indexing would have unlinked our file and
                 # left its name indexed, and its bytes counted, with nothing on disk.
                 self._lru.move_to_end(name)
                 return True
@@ -585,6 +591,32 @@ class BlockCache:
                 if not self._evict_one():
                     return False
 
+    def may_hold(self, version: ObjectVersion) -> bool:
+        """Whether some block of the version may be on disk: False only where the index says not.
+        Asks the index only (no disk I/O, for the event loop)."""
+        d = version.digest
+        with self._lock:
+            if d[:2] not in self._loaded_subdirs and not self._scanned.is_set():
+                return True  # (once the scan is done, the index has all: it lists what exists)
+            return d in self._segments
+
+    def retire(self, version: ObjectVersion) -> int:
+        """Delete the segments of a version nobody will ask for again (replaced or deleted in the
+        store); not while it is pinned: an open handle still reads it, and its blocks then age out
+        like any others. Returns the bytes freed."""
+        d = version.digest
+        self._ensure_subdir(d[:2])
+        with self._lock:
+            if d in self._pins:
+                return 0
+            names = list(self._segments.get(d, ()))
+            freed = sum(self._lru.get(n, 0) for n in names)
+        for name in names:
+            self._remove(name)
+        if names:
+            self._stats["retired"] += len(names)
+        return freed
+
     def shrink_for(self, need_bytes: int) -> int:
         """Evict least recently used unpinned segments until `need_bytes` are freed (the disk is
         short of space for staging writes). Returns the bytes freed."""
@@ -614,6 +646,11 @@ class BlockCache:
                 return
             self._used -= size
             digest, first, count = _parse_name(name)  # type: ignore[misc]
+            names = self._segments.get(digest)
+            if names is not None:
+                names.discard(name)
+                if not names:
+                    del self._segments[digest]
             for i in range(first, first + count):
                 if self._blocks.get((digest, i)) == name:
                     del self._blocks[(digest, i)]

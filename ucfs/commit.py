@@ -1625,6 +1625,8 @@ class Committer:
             # just made sits under the old name. Take it away again; the file commits anew if live.
             await store.delete(vol.bucket, key)
             raise _Changed("renamed or unlinked while it was uploaded")
+        if node.etag and node.etag != info.etag:
+            self.core.retire_version(vol, key, node.etag)  # the version this commit replaced
         node.etag = info.etag
         node.size = s.size if info.size < 0 else info.size
         s.stored = _Stored(key, info.etag, content) if content is not None else None

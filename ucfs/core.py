@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 import trio
 
 from . import errors
-from .aiostore import AsyncStore
+from .aiostore import AsyncStore, run_disk
 from .cache import BlockCache, ObjectVersion
 from .catalog import Catalog, Volume
 from .config import MountConfig
@@ -491,6 +491,8 @@ class Core:
                       "" if node is None else f", forgetting inode {node.ino}")
         if node is not None:
             self.inodes.detach(node)
+            if node.kind is Kind.FILE:
+                self.retire_version(node.volume, node.key, node.etag)
         return None
 
     def _should_relist(self, parent: Inode) -> bool:
@@ -611,16 +613,36 @@ class Core:
             return Entry(False, info.size, info.etag, info.mtime_ns)
         return None
 
-    @staticmethod
-    def _describe(node: Inode, size: int, etag: str, mtime_ns: int) -> None:
+    def _describe(self, node: Inode, size: int, etag: str, mtime_ns: int) -> None:
         """Take the store's description of a file's object. The version this mount committed keeps
         the mtime it had here: Last-Modified (whole seconds) would move it, and tools that compare
         a file's times before and after reading it would see a change that is none (GNU tar exits 1
-        with "file changed as we read it"). Another version takes the store's."""
+        with "file changed as we read it"). Another version takes the store's, and the version it
+        replaces leaves the cache."""
         if not etag or etag != node.local_mtime_etag:
             node.mtime_ns = mtime_ns
             node.local_mtime_etag = ""
+        if node.etag and etag != node.etag:
+            self.retire_version(node.volume, node.key, node.etag)
         node.size, node.etag = size, etag
+
+    def retire_version(self, vol: Volume | None, key: str, etag: str) -> None:
+        """`key` no longer holds version `etag` in the store: this mount replaced, renamed or deleted
+        it, or saw another version there. Its cached blocks are deleted, in a disk thread, unless a
+        handle still reads them (then they go when its last handle closes, see `release`). Should
+        the version come back (an ETag is the content's, for most uploads), it is fetched again: a
+        wrong guess here costs a GET, never a wrong byte."""
+        if self.cache is None or vol is None or not key or not etag or self._nursery is None:
+            return
+        version = ObjectVersion(self.store_for(vol).name, vol.bucket, key, etag)
+        if self.cache.may_hold(version):  # (most deleted or changed files never were read here)
+            self._nursery.start_soon(self._retire, version)
+
+    async def _retire(self, version: ObjectVersion) -> None:
+        assert self.cache is not None
+        freed = await run_disk(self.cache.retire, version)
+        if freed:
+            self.stats["cache_bytes_retired"] += freed
 
     def _apply_entry(self, parent: Inode, name: str, entry: Entry, seen_at: float | None = None) -> Inode:
         """The inode for a store entry, with the entry's attributes unless they are older (as of
@@ -725,6 +747,8 @@ class Core:
                 log.debug("listing of %s: %s %s", parent.mount_path(), name,
                           "absent" if entry is None else "changed kind")
                 self.inodes.detach(node)  # gone, or changed kind: a fresh lookup makes a new inode
+                if node.kind is Kind.FILE:
+                    self.retire_version(node.volume, node.key, node.etag)
                 continue
             if node.kind is Kind.FILE:
                 if self._outlived(node, entry.etag):
@@ -884,6 +908,7 @@ class Core:
                 named = parent.children_by_name.get(node.name) is node
                 self.inodes.detach(node)
                 node.deleted = True
+                self.retire_version(node.volume, node.key, node.etag)
                 if named and tell_kernel and self.invalidate_entry is not None:
                     self.invalidate_entry(parent.ino, node.name)
                 raise errors.fs_error(errors.ENOENT, "deleted in the store") from None
@@ -1088,6 +1113,11 @@ class Core:
                 h.reader.close()
             if h.version is not None and self.cache is not None:
                 self.cache.unpin(h.version)
+                node = h.inode
+                if node.deleted or node.key != h.version.key or (node.etag and node.etag != h.version.etag):
+                    # The last reader of a version the store no longer holds (unless other handles
+                    # still read it: `retire` leaves pinned versions alone).
+                    self.retire_version(node.volume, h.version.key, h.version.etag)
             self.inodes.release(h.inode)
 
     # -- writes ---------------------------------------------------------------------------------
@@ -1272,10 +1302,11 @@ class Core:
                 await self.committer.drop(held)
             if node.etag or replayed:  # the ETag as it is now: a commit may have finished meanwhile
                 await self._settle_journal()
-                key = node.key
+                key, etag = node.key, node.etag
                 with self._store_unheard(parent, name):
                     self._unname(parent, node)
                     await self.store_for(vol).delete(vol.bucket, key)
+                self.retire_version(vol, key, etag)
                 await self._keep_dir(parent)
             else:
                 await self._forget_name(parent, node)
@@ -1512,6 +1543,7 @@ class Core:
                 await self.committer.drop(target.staged)
             self.inodes.detach(target)
             target.deleted = True
+            self.retire_version(vol, target.key, target.etag)  # replaced by what is renamed over it
         old_key = node.key
         if node.staged is None:
             # Committed file: copy on the server, then remove the old name.
@@ -1520,6 +1552,7 @@ class Core:
             await self._follow_rename(node, new_key, info.etag)
             await self._settle_journal()
             await store.delete(vol.bucket, old_key)
+            self.retire_version(vol, old_key, node.etag)
             self.inodes.move(node, new_parent, new_name)
             if node.local_mtime_etag and node.local_mtime_etag == node.etag:
                 node.local_mtime_etag = info.etag  # renamed, not changed: its mtime stays

@@ -231,6 +231,39 @@ def test_pinned_versions_are_not_evicted(tmp_path):
     assert not c.contains(v("open"), 0)
 
 
+def test_a_retired_version_leaves_the_disk_at_once_unless_a_handle_reads_it(tmp_path):
+    c = make(tmp_path)
+    old, new, other = v(etag="e1"), v(etag="e2"), v("other")
+    for first in (0, 8):
+        assert c.put_blocks(old, first, os.urandom(8 * MiB))
+    assert c.put_block(old, 16, b"tail")
+    assert c.put_blocks(new, 0, os.urandom(2 * MiB))
+    assert c.put_block(other, 0, os.urandom(MiB))
+    segment_bytes = 2 * (HEADER_BYTES + 8 * MiB) + 2 * HEADER_BYTES
+    used = c.statistics()["used_bytes"]
+
+    assert c.retire(old) == segment_bytes
+    assert not any(c.contains(old, i) for i in range(17))
+    assert c.contains(new, 1) and c.contains(other, 0)
+    st = c.statistics()
+    assert st["used_bytes"] == used - segment_bytes and st["segments"] == 2 and st["retired"] == 3
+    on_disk = [f.name for f in (tmp_path / "c" / LAYOUT / old.digest[:2]).iterdir()]
+    assert not [n for n in on_disk if n.startswith(old.digest[2:])]
+    assert c.retire(old) == 0  # nothing left of it
+    assert not c.may_hold(old) and c.may_hold(new)
+    assert not c.may_hold(v("never", "e0"))  # scanned: the index knows every segment on disk
+
+    # A version a handle has open keeps its blocks: the handle still reads them.
+    c.pin(new)
+    assert c.retire(new) == 0 and c.contains(new, 0)
+    c.unpin(new)
+    # A mount that has not indexed the version's directory yet finds its segments all the same.
+    c2 = make(tmp_path, scan=False)
+    assert c2.may_hold(v("never", "e0"))  # (its directory is not indexed yet: it may)
+    assert c2.retire(new) == HEADER_BYTES + 2 * MiB
+    assert make(tmp_path).statistics()["segments"] == 1  # only `other` is left on disk
+
+
 def test_index_is_usable_before_the_background_scan(tmp_path):
     c = make(tmp_path)
     data = os.urandom(3 * MiB)

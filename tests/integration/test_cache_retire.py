@@ -1,0 +1,90 @@
+"""The block cache keeps only versions the store still holds (issue 2: a bounded cache worth its
+size). A version this mount replaced, renamed or deleted, or saw replaced or deleted elsewhere,
+leaves the cache as soon as the mount learns of it: a checkpoint rewritten every epoch would
+otherwise fill the cache with dead versions and push the data set out. A version an open handle
+still reads stays until that handle's last close."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+
+from tests.support import wait_until
+from ucfs.cache import LAYOUT, ObjectVersion
+
+pytestmark = pytest.mark.integration
+
+MiB = 1 << 20
+
+
+def cached(m) -> set[str]:
+    """Digests of the versions with segments in the mount's cache directory."""
+    root = m.state_dir / "cache" / LAYOUT
+    return {sub.name + f.name.split(".")[0] for sub in root.iterdir() if sub.is_dir()
+            for f in sub.iterdir() if not f.name.startswith(".")}
+
+
+def test_the_cache_keeps_only_versions_the_store_still_holds(mount, s3, s3_endpoint, bucket, prefix):
+    v = mount.path()
+    store = f"s3:{s3_endpoint.url}"  # (ucfs.store.S3Store.name: a cache identity's first part)
+
+    def version(name: str) -> str:
+        key = f"{prefix}/vol/{name}"
+        etag = s3.head_object(Bucket=bucket, Key=key)["ETag"].strip('"')
+        return ObjectVersion(store, bucket, key, etag).digest
+
+    def settles(*names: str) -> None:
+        want = {version(n) for n in names}
+        assert wait_until(lambda: cached(mount) == want, timeout=10), (cached(mount), want)
+
+    # Read: cached.
+    first = os.urandom(4 * MiB)
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/a.bin", Body=first)
+    assert (v / "a.bin").read_bytes() == first
+    settles("a.bin")
+
+    # Replaced elsewhere: once the mount sees the new version, the old one's blocks go.
+    second = os.urandom(4 * MiB)
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/a.bin", Body=second)
+    assert wait_until(lambda: (v / "a.bin").read_bytes() == second, timeout=5)
+    settles("a.bin")
+
+    # Replaced here: the commit caches the new version and retires the one it replaced.
+    third = os.urandom(4 * MiB)
+    (v / "a.bin").write_bytes(third)
+    md5 = hashlib.md5(third).hexdigest()
+    assert wait_until(lambda: version("a.bin") == ObjectVersion(store, bucket, f"{prefix}/vol/a.bin", md5).digest,
+                      timeout=30)
+    settles("a.bin")
+    assert mount.status()["cache"]["used_bytes"] < 5 * MiB  # one version's worth, not three
+
+    # Renamed here: the old name's version goes (the new name's is a copy, read anew).
+    os.rename(v / "a.bin", v / "b.bin")
+    assert wait_until(lambda: cached(mount) == set(), timeout=10), cached(mount)
+    assert (v / "b.bin").read_bytes() == third
+    settles("b.bin")
+
+    # Deleted here.
+    os.unlink(v / "b.bin")
+    assert wait_until(lambda: cached(mount) == set(), timeout=10), cached(mount)
+
+    # A version an open handle reads stays while the handle is open, and goes at its last close.
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/c.bin", Body=first)
+    old = version("c.bin")
+    with open(v / "c.bin", "rb") as f:
+        assert f.read() == first
+        s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/c.bin", Body=second)
+        assert wait_until(lambda: (v / "c.bin").read_bytes() == second, timeout=5)
+        new = version("c.bin")
+        assert wait_until(lambda: cached(mount) == {old, new}, timeout=10), cached(mount)
+        f.seek(0)
+        assert f.read(MiB) == first[:MiB]  # (from its own cached blocks)
+    assert wait_until(lambda: cached(mount) == {new}, timeout=10), cached(mount)
+
+    # Deleted elsewhere: the mount's next look at the name retires it.
+    s3.delete_object(Bucket=bucket, Key=f"{prefix}/vol/c.bin")
+    assert wait_until(lambda: not (v / "c.bin").exists(), timeout=5)
+    assert wait_until(lambda: cached(mount) == set(), timeout=10), cached(mount)
+    assert mount.status()["cache"]["used_bytes"] == 0
