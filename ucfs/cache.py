@@ -591,14 +591,17 @@ class BlockCache:
                 if not self._evict_one():
                     return False
 
-    def may_hold(self, version: ObjectVersion) -> bool:
-        """Whether some block of the version may be on disk: False only where the index says not.
-        Asks the index only (no disk I/O, for the event loop)."""
+    def may_hold(self, version: ObjectVersion, blocks: int = 0) -> bool:
+        """Whether some block of the version, or with `blocks` each of its first `blocks` blocks,
+        may be on disk: False only where the index says not. Asks the index only (no disk I/O, for
+        the event loop)."""
         d = version.digest
         with self._lock:
             if d[:2] not in self._loaded_subdirs and not self._scanned.is_set():
                 return True  # (once the scan is done, the index has all: it lists what exists)
-            return d in self._segments
+            if not blocks:
+                return d in self._segments
+            return all((d, i) in self._blocks for i in range(blocks))
 
     def retire(self, version: ObjectVersion) -> int:
         """Delete the segments of a version nobody will ask for again (replaced or deleted in the

@@ -1692,9 +1692,12 @@ class Committer:
             from .inodes import Entry
 
             parent.listing.entries[node.name] = Entry(False, node.size, node.etag, node.mtime_ns)
-        if (CACHE_AFTER_COMMIT_MIN_BYTES <= s.size <= CACHE_AFTER_COMMIT_MAX_BYTES and self.core.cache is not None
-                and not s.dirty and not unchanged):  # (unchanged: that version was cached then)
-            version = ObjectVersion(store.name, vol.bucket, key, info.etag)
+        cache, version = self.core.cache, ObjectVersion(store.name, vol.bucket, key, info.etag)
+        blocks = -(-s.size // self.cfg.block_bytes)
+        # Unchanged: that version was cached when it was committed, unless a change cut the caching
+        # short (an fsync's commit, then the close at once: the close counts as a change).
+        if (CACHE_AFTER_COMMIT_MIN_BYTES <= s.size <= CACHE_AFTER_COMMIT_MAX_BYTES and cache is not None
+                and not s.dirty and (not unchanged or not cache.may_hold(version, blocks))):
             if in_place:  # someone waits for the commit, not for the cache
                 self.pin(s)
                 self._nursery.start_soon(self._cache_committed_later, s, version)

@@ -251,6 +251,7 @@ def test_a_retired_version_leaves_the_disk_at_once_unless_a_handle_reads_it(tmp_
     assert not [n for n in on_disk if n.startswith(old.digest[2:])]
     assert c.retire(old) == 0  # nothing left of it
     assert not c.may_hold(old) and c.may_hold(new)
+    assert c.may_hold(new, 2) and not c.may_hold(new, 3)  # blocks 0-1 of it are here, not 2
     assert not c.may_hold(v("never", "e0"))  # scanned: the index knows every segment on disk
 
     # A version a handle has open keeps its blocks: the handle still reads them.
