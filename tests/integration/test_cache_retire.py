@@ -96,3 +96,43 @@ def test_the_cache_keeps_only_versions_the_store_still_holds(mount, s3, s3_endpo
     assert wait_until(lambda: not (v / "c.bin").exists(), timeout=5)
     assert wait_until(lambda: cached(mount) == set(), timeout=10), cached(mount)
     assert mount.status()["cache"]["used_bytes"] == 0
+
+
+def test_a_checkpoint_rewritten_every_epoch_leaves_the_data_set_cached(mount_factory, s3, bucket, prefix,
+                                                                       store_requests):
+    """The case the retirement is for: a 96 MiB cache holds a 48 MiB data set, and a 24 MiB
+    checkpoint is written over itself six times (each version is cached at its commit). With the
+    dead versions kept, 48 + 6 x 24 MiB would not fit and the data set, used least recently,
+    would be evicted; here the next epoch, after a remount, reads it from the disk cache alone."""
+    m = mount_factory(args=("--cache-size", "96M"))
+    v = m.path()
+
+    def stored(name: str) -> bytes | None:
+        try:
+            return s3.get_object(Bucket=bucket, Key=f"{prefix}/vol/{name}")["Body"].read()
+        except s3.exceptions.NoSuchKey:
+            return None
+
+    data = {f"d/{i}.bin": os.urandom(8 * MiB) for i in range(6)}
+    for name, body in data.items():
+        s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/{name}", Body=body)
+    for name, body in data.items():
+        assert (v / name).read_bytes() == body
+    for epoch in range(6):
+        ckpt = os.urandom(24 * MiB)
+        with open(v / "ckpt.pt", "wb") as f:
+            f.write(ckpt)
+            if epoch % 2:  # (torch.distributed.checkpoint fsyncs; torch.save does not)
+                f.flush()
+                os.fsync(f.fileno())
+        assert wait_until(lambda: stored("ckpt.pt") == ckpt, timeout=30)  # the next epoch replaces it
+    assert wait_until(lambda: len(cached(m)) == len(data) + 1, timeout=10), cached(m)
+
+    m.stop()
+    m.start()
+    before = store_requests.object_gets()
+    for name, body in data.items():
+        assert (v / name).read_bytes() == body
+    assert (v / "ckpt.pt").read_bytes() == ckpt
+    assert m.store_stats().get("get", 0) == 0, m.status()["cache"]
+    assert store_requests.object_gets() == before
