@@ -1609,10 +1609,12 @@ class Core:
             # file: its object is in the store now, and is moved with the others.
             staged = [s for s in staged if not s.retired and not s.dropped and s.node.staged is s]
             keys = []
+            left: dict[str, str] = {}  # key -> ETag of the versions the move leaves behind (and the cache)
             token = None
             while True:
                 page = await store.list_page(vol.bucket, old_prefix, delimiter="", token=token)
                 keys.extend(o.key for o in page.objects)
+                left.update((o.key, o.etag) for o in page.objects)
                 token = page.next_token
                 if token is None:
                     break
@@ -1684,6 +1686,7 @@ class Core:
         async def delete(key: str) -> None:
             async with limiter:
                 await store.delete(vol.bucket, key)
+            self.retire_version(vol, key, left.get(key, ""))
 
         # Objects first, then directory markers deepest first, so no store sees a marker go while
         # something beneath it is still there.

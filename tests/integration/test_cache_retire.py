@@ -78,6 +78,16 @@ def test_the_cache_keeps_only_versions_the_store_still_holds(mount, s3, s3_endpo
     os.unlink(v / "b.bin")
     assert wait_until(lambda: cached(mount) == set(), timeout=10), cached(mount)
 
+    # A directory renamed here: the versions under its old name go.
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/d/x.bin", Body=second)
+    assert (v / "d" / "x.bin").read_bytes() == second
+    settles("d/x.bin")
+    os.rename(v / "d", v / "e")
+    assert wait_until(lambda: cached(mount) == set(), timeout=10), cached(mount)
+    assert (v / "e" / "x.bin").read_bytes() == second
+    os.unlink(v / "e" / "x.bin")
+    assert wait_until(lambda: cached(mount) == set(), timeout=10), cached(mount)
+
     # A version an open handle reads stays while the handle is open, and goes at its last close.
     s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/c.bin", Body=first)
     old = version("c.bin")
