@@ -1589,6 +1589,7 @@ class Core:
         if (had_remote or plan.old_object) and not plan.copied:  # (copied: the committer deleted it)
             await self._settle_journal()
             await store.delete(vol.bucket, old_key)
+        self.retire_version(vol, old_key, old_etag)  # the old name's object, committed before the rename
 
     async def _rename_dir(self, store: AsyncStore, vol: Volume, node: Inode, target: Inode | None,
                           new_parent: Inode, new_name: str) -> None:

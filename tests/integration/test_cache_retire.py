@@ -78,6 +78,18 @@ def test_the_cache_keeps_only_versions_the_store_still_holds(mount, s3, s3_endpo
     os.unlink(v / "b.bin")
     assert wait_until(lambda: cached(mount) == set(), timeout=10), cached(mount)
 
+    # Renamed while a writer still has it open, after an fsync committed it: the old name's version
+    # goes, and the new name's commit caches the file again.
+    with open(v / "w.bin", "wb") as f:
+        f.write(third)
+        f.flush()
+        os.fsync(f.fileno())
+        settles("w.bin")
+        os.rename(v / "w.bin", v / "z.bin")
+    settles("z.bin")
+    os.unlink(v / "z.bin")
+    assert wait_until(lambda: cached(mount) == set(), timeout=10), cached(mount)
+
     # A directory renamed here: the versions under its old name go.
     s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/d/x.bin", Body=second)
     assert (v / "d" / "x.bin").read_bytes() == second
