@@ -178,9 +178,9 @@ class Stats:
 @pytest.mark.slow
 def test_soak_readers_and_writers_against_a_model(mount_factory, s3, bucket, prefix):
     # Versions replaced or deleted leave the cache as the mount learns of them (retire): of the
-    # 5 GB the soak puts in the cache, 145 MB were left at its end with no limit reached (5.5 GB
-    # before). A cache smaller than that makes eviction run under the load too, beside the readers
-    # it takes blocks from.
+    # 5.5 GB the soak puts in the cache, 34 MB were left at its end with no limit (5.5 GB before),
+    # about what its 36 files hold. A cache smaller than that makes eviction run under the load
+    # too, beside the readers it takes blocks from.
     m = mount_factory(args=("--cache-size", "32M"))
     v = m.path()
     model, stats = Model(), Stats()
