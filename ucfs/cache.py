@@ -605,8 +605,8 @@ class BlockCache:
 
     def retire(self, version: ObjectVersion) -> int:
         """Delete the segments of a version nobody will ask for again (replaced or deleted in the
-        store); not while it is pinned: an open handle still reads it, and its blocks then age out
-        like any others. Returns the bytes freed."""
+        store); not while it is pinned: an open handle still reads it (the mount asks again at the
+        handle's last close). Returns the bytes freed."""
         d = version.digest
         self._ensure_subdir(d[:2])
         with self._lock:
