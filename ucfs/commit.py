@@ -754,7 +754,9 @@ class Committer:
                 # for bytes the file no longer has.
                 with s.shrinking_if(truncate):
                     await self.keep_closed_version(s, truncate=truncate, append_only=append_only)
-                    if truncate and s.size:
+                    # s.size is what we saw last: a passthrough writer's bytes are not in it until
+                    # truncate() reads the staging file's size.
+                    if truncate and (s.size or s.pt_writers):
                         # Pinned: a commit finishing meanwhile must not retire it under the truncate.
                         # The caller takes a handle before its next await.
                         s.handles += 1

@@ -179,6 +179,37 @@ def test_truncate_fsync_and_mmap_of_a_passthrough_file(mount, s3, bucket, prefix
     assert p.read_bytes() == expected
 
 
+@pytest.mark.parametrize("first", ["new", "truncated"])
+def test_a_truncating_open_empties_a_file_a_passthrough_writer_holds(mount, s3, bucket, prefix, first):
+    """O_TRUNC while another handle is writing past the daemon: the daemon's idea of the size is
+    what it saw last (0 after the first open), not what that writer has written since. Found by a
+    randomized differential run: the second open kept every byte."""
+    _passthrough(mount)
+    key = f"{prefix}/vol/held.bin"
+    p = mount.path() / "held.bin"
+    if first == "truncated":
+        p.write_bytes(b"old" * 1000)
+        fsync_path(p)
+    w1 = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(w1, b"A" * 70_000)
+        w2 = os.open(p, os.O_RDWR | os.O_TRUNC)
+        try:
+            assert os.fstat(w2).st_size == 0
+            assert os.pread(w2, 16, 0) == b""
+            os.close(w1)
+            w1 = -1
+            os.write(w2, b"B" * 10)
+            os.fsync(w2)
+            assert obj(s3, bucket, key) == b"B" * 10
+        finally:
+            os.close(w2)
+    finally:
+        if w1 >= 0:
+            os.close(w1)
+    assert p.read_bytes() == b"B" * 10
+
+
 def test_a_file_open_for_reading_keeps_its_writer_out_of_passthrough(mount, s3, bucket, prefix):
     """The kernel refuses passthrough beside a page-cache open of the same inode (EIO): a reader of
     the committed object keeps a new writer on the daemon's path, and both work."""
