@@ -1196,9 +1196,13 @@ class Core:
             raise s.error
 
     async def fsync(self, fh: int) -> None:
+        """fsync(2) syncs the file, not the handle: a handle that reads the committed object also
+        waits for what other handles or a truncate(2) have changed since it opened (`sync FILE`
+        opens read-only)."""
         h = self.file_handle(fh)
-        if h.staged is not None:
-            await self.committer.fsync(h.staged)
+        s = h.staged if h.staged is not None else h.inode.staged
+        if s is not None and self.committer is not None:
+            await self.committer.fsync(s)
 
     async def fsyncdir(self, fh: int) -> None:
         h = self._handles.get(fh)

@@ -43,6 +43,26 @@ def test_fsync_waits_for_the_commit(mount, s3, bucket, prefix):
         assert obj(s3, bucket, f"{prefix}/vol/f.bin") == data
 
 
+@pytest.mark.parametrize("change", ["write", "truncate"])
+def test_fsync_through_a_reader_opened_before_a_change_waits_for_it(mount, s3, bucket, prefix, change):
+    """fsync(2) syncs the file, whichever descriptor it is given: also one that was reading the
+    committed object when another handle, or truncate(2), changed the file."""
+    key = f"{prefix}/vol/r.bin"
+    s3.put_object(Bucket=bucket, Key=key, Body=b"Z" * 4063)
+    p = mount.path() / "r.bin"
+    with open(p, "rb") as r:
+        assert r.read(4) == b"ZZZZ"
+        if change == "write":
+            with open(p, "r+b") as w:
+                w.write(b"Y" * 100_000)
+            want = b"Y" * 100_000
+        else:
+            os.truncate(p, 781_014)
+            want = b"Z" * 4063 + bytes(781_014 - 4063)
+        os.fsync(r.fileno())
+        assert obj(s3, bucket, key) == want
+
+
 def test_overwrite_truncate_append_and_in_place_edit(mount, s3, bucket, prefix):
     key = f"{prefix}/vol/e.txt"
     s3.put_object(Bucket=bucket, Key=key, Body=b"0123456789")
