@@ -1197,8 +1197,7 @@ class Core:
 
     async def fsync(self, fh: int) -> None:
         """fsync(2) syncs the file, not the handle: a handle that reads the committed object also
-        waits for what other handles or a truncate(2) have changed since it opened (`sync FILE`
-        opens read-only)."""
+        waits for what other handles or a truncate(2) have changed since it opened."""
         h = self.file_handle(fh)
         s = h.staged if h.staged is not None else h.inode.staged
         if s is not None and self.committer is not None:
