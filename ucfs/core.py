@@ -1612,16 +1612,15 @@ class Core:
             # A commit that finished while we waited for another file's lock may have retired its
             # file: its object is in the store now, and is moved with the others.
             staged = [s for s in staged if not s.retired and not s.dropped and s.node.staged is s]
-            keys = []
             left: dict[str, str] = {}  # key -> ETag of the versions the move leaves behind (and the cache)
             token = None
             while True:
                 page = await store.list_page(vol.bucket, old_prefix, delimiter="", token=token)
-                keys.extend(o.key for o in page.objects)
                 left.update((o.key, o.etag) for o in page.objects)
                 token = page.next_token
                 if token is None:
                     break
+            keys = list(left)
             staged_keys = {s.node.key for s in staged}
             # A longer name may push keys beneath it past the store's limit. Find out before moving
             # anything: failing half way would leave objects under both names.
