@@ -312,6 +312,10 @@ class Staged:
     generation: int = 0  # bumped by every change
     flushed_generation: int = -1  # latest generation made durable by close()/fsync
     committed_generation: int = -1  # latest generation known to be in the store
+    # The key that generation went to. Not always the file's key now: a rename moves the name
+    # first, and a commit restarted meanwhile may finish under the new key before the rename's
+    # turn, or the object may wait under the old key for the rename to copy it (`_plan_move`).
+    committed_key: str | None = None
     # Open handles, plus pins: work that uses the staging file without a handle of its own (a
     # truncate without an open file, fsync of a directory, part uploads, background syncs). The
     # file is closed and removed only when this is zero (see `Committer._maybe_retire`).
@@ -923,7 +927,10 @@ class Committer:
                         pt_written=True,  # the kernel's pages hold the new writes, not this
                         kept_of=s)  # a rename or unlink of s stops this commit too
         await self._commit(shadow)
-        s.committed_generation = max(s.committed_generation, kept.generation)
+        if kept.generation >= s.committed_generation:
+            # Under the shadow's key, or left for a waiting rename under the key it had (published).
+            s.committed_generation = kept.generation
+            s.committed_key = shadow.published[0] if shadow.published else shadow.committed_key
         s.attempts = 0
         s.retry_reason = ""
         s.error = None
@@ -952,6 +959,7 @@ class Committer:
         s.size = node.size
         s.mtime_ns = node.mtime_ns
         s.committed_generation = s.generation = 0  # same content as the store: nothing to commit yet
+        s.committed_key = node.key
         s.appends_only = True
 
     # -- data -----------------------------------------------------------------------------------
@@ -1640,7 +1648,8 @@ class Committer:
         # The kernel's pages are this content - unless passthrough writers wrote it, past the pages.
         node.page_cache_etag = None if s.pt_written else info.etag
         self.core.note_changed(node)  # listings and probes still on their way must not undo this
-        s.committed_generation = max(s.committed_generation, gen)
+        if gen >= s.committed_generation:
+            s.committed_generation, s.committed_key = gen, key
         s.attempts = 0
         s.retry_reason = ""
         s.error = None
@@ -2199,11 +2208,12 @@ class Committer:
         `old_key` holds an object of the file that the caller must delete (`_Rename.old_object`: a
         commit finished there while the rename waited) or had it copied and deleted (`copied`)."""
         async with self.namespace_lock(s, moving_from=old_key):
-            had = s.committed_generation
+            had = s.committed_generation, s.committed_key
             try:
                 plan = await self.renamed_locked(s, old_key)
             except BaseException:
-                s.committed_generation = had  # not renamed after all: the caller puts the name back
+                # Not renamed after all: the caller puts the name back.
+                s.committed_generation, s.committed_key = had
                 raise
             if plan.copied:
                 await self._delete_moved(s.volume, old_key)
@@ -2253,7 +2263,7 @@ class Committer:
         the others under the old ones, for the next mount to publish there. `alone`: a rename of
         one file (`renamed_locked`), which may copy its object on the server (`_plan_rename`).
         Returns, per file, what was done (`_Rename`: whether its old key holds an object to delete)."""
-        had = [(s, s.committed_generation) for s, _ in files]
+        had = [(s, s.committed_generation, s.committed_key) for s, _ in files]
         try:
             plans = [await self._plan_rename(s, old_key, may_copy=alone) for s, old_key in files]
             # Made at once, with no await between: the rows' change counter (seq) and the names
@@ -2269,8 +2279,8 @@ class Committer:
                     adds.append((s, plan.size))
             rowids = await self.journal.execute_together(statements) if statements else []
         except BaseException:
-            for s, generation in had:
-                s.committed_generation = generation
+            for s, generation, key in had:
+                s.committed_generation, s.committed_key = generation, key
             raise
         for added, rowid in zip(adds, rowids):
             if added is not None:
@@ -2304,7 +2314,8 @@ class Committer:
         had = s.committed_generation
         if (may_copy and old_key is not None and s.kept is None and s.size >= RENAME_COPY_MIN_BYTES
                 and not s.pt_writers
-                and (published == (old_key, s.generation) or (had >= s.generation and s.flushed_generation <= had))):
+                and (published == (old_key, s.generation)
+                     or (had >= s.generation and s.flushed_generation <= had and s.committed_key == old_key))):
             vol = s.volume
             try:
                 info = await self.core.store_for(vol).copy(vol.bucket, old_key, s.node.key)
@@ -2316,14 +2327,19 @@ class Committer:
                 self._copied(s, info, s.generation)
                 return _Rename(old_object=True, copied=True)
         if (old_key is not None and had >= 0 and s.flushed_generation <= had and s.kept is None
-                and s.writers > 0 and (s.generation > had or s.pt_writers)):
+                and s.writers > 0 and (s.generation > had or s.pt_writers)
+                and s.committed_key in (old_key, s.node.key)):
             # Committed, then written again by a writer that still has it open: the object is the
             # file's last closed version, and the staging file holds bytes nobody has closed yet
             # (journaling it here would publish them after a crash). The object is copied to the new
             # name on the server, as for a file not staged; the writer's last close commits the rest.
-            vol = s.volume
-            info = await self.core.store_for(vol).copy(vol.bucket, old_key, s.node.key)
-            s.node.etag = info.etag
+            # Unless that commit already went to the new name: restarted after the name moved, it
+            # may have finished before the rename's turn came.
+            if s.committed_key == old_key:
+                vol = s.volume
+                info = await self.core.store_for(vol).copy(vol.bucket, old_key, s.node.key)
+                s.node.etag = info.etag
+                s.committed_key = s.node.key
             return _Rename(renames_row=True)
         s.committed_generation = -1  # whatever was committed went under the old name
         if s.flushed_generation < had:
@@ -2348,7 +2364,8 @@ class Committer:
         node.local_mtime_etag = info.etag
         node.attr_expires = time.monotonic() + self.cfg.metadata_ttl_s
         node.page_cache_etag = None if s.pt_written else info.etag
-        s.committed_generation = max(s.committed_generation, gen)
+        if gen >= s.committed_generation:
+            s.committed_generation, s.committed_key = gen, node.key
         s.attempts = 0
         s.retry_reason = ""
         s.error = None

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import mmap
 import os
 import threading
 import time
+
+import pytest
 
 from tests.support import fsync_path, keys, obj, sync_dir, wait_until
 
@@ -236,3 +239,41 @@ def test_atomic_save_of_a_large_file_survives_a_kill_after_the_rename(mount_fact
     assert obj(s3, bucket, f"{prefix}/vol/ckpt.pt") == data
     assert keys(s3, bucket, f"{prefix}/vol/") == [f"{prefix}/vol/ckpt.pt"]
     assert not s3.list_multipart_uploads(Bucket=bucket, Prefix=f"{prefix}/").get("Uploads")
+
+
+@pytest.mark.parametrize("close", ["dup", "mmap"])
+def test_rename_after_its_directory_moved_twice_while_a_close_was_committed(mount_factory, s3, bucket, prefix,
+                                                                             close):
+    """A file held open for writing is closed once (a dup's close, or a map's), and its directory is
+    renamed there and back while that close's commit runs. The commit gives way to each rename and
+    starts again under the new name; then the file itself is renamed, and the commit restarted by
+    that rename can finish under the file's new name before the rename's turn. The rename used to
+    copy the "committed" object from the old name, where there was none: mv failed with ENOENT."""
+    mount = mount_factory()
+    v = mount.path()
+    (v / "d").mkdir()
+    data = bytearray(os.urandom(20 * MiB))
+    fd = os.open(v / "d" / "f", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.pwrite(fd, data, 0)
+        os.fsync(fd)
+        patch = os.urandom(100_000)
+        if close == "mmap":
+            with mmap.mmap(fd, len(data)) as m:
+                m[1000:1000 + len(patch)] = patch
+        else:
+            os.pwrite(fd, patch, 1000)
+            os.close(os.dup(fd))
+        data[1000:1000 + len(patch)] = patch
+        os.rename(v / "d", v / "e")
+        os.rename(v / "e", v / "d")
+        more = os.urandom(50_000)
+        os.pwrite(fd, more, 136_434)
+        data[136_434:136_434 + len(more)] = more
+        os.rename(v / "d" / "f", v / "g")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    assert obj(s3, bucket, f"{prefix}/vol/g") == bytes(data)
+    assert (v / "g").read_bytes() == bytes(data)
+    assert f"{prefix}/vol/d/f" not in keys(s3, bucket, f"{prefix}/vol/")
