@@ -219,33 +219,31 @@ class Run:
             # The version this handle had before someone else changed the file: then ESTALE, its
             # end, or more of it.
             end = off + len(got)
-            try:
-                more = os.pread(h.fd, 4096, end)
-            except OSError as e:
-                self.expect(e.errno == errno.ESTALE, f"pread after a short one: {e!r}")
-                self.note("pread fd", h.fd, off, n, "the version it had, then ESTALE")
-                return
-            self.expect(len(got) == n or more == h.version[end:end + 4096],
-                        f"pread fd {h.fd} at {off}: {len(got)} bytes of the version it had, then {len(more)} more")
-            self.note("pread fd", h.fd, off, n, "the version it had")
+            self.then(h, off, n, end, "the version it had",
+                      lambda more: len(got) == n or more == h.version[end:end + 4096])
             return
         if got != want and h.may_be_stale and len(got) < len(want) and want.startswith(got):
             # A prefix: then ESTALE, or the end of the version this handle opened (another handle
             # appended since; the bytes it had are the same).
             end = off + len(got)
-            try:
-                more = os.pread(h.fd, 4096, end)
-            except OSError as e:
-                self.expect(e.errno == errno.ESTALE, f"pread after a short one: {e!r}")
-                self.note("pread fd", h.fd, off, n, "short, then ESTALE")
-                return
-            self.expect(more == b"" and os.fstat(h.fd).st_size == end,
-                        f"pread fd {h.fd} at {off}: {len(got)} of {len(want)} bytes, then {len(more)} more")
-            self.note("pread fd", h.fd, off, n, "the version it opened, ending at", end)
+            self.then(h, off, n, end, "a prefix of the file",
+                      lambda more: more == b"" and os.fstat(h.fd).st_size == end)
             return
         self.expect(got == want, f"pread fd {h.fd} at {off} for {n}: {len(got)} bytes, expected {len(want)}"
                                  f" (file changed since open: {h.may_be_stale})")
         self.note("pread fd", h.fd, off, n)
+
+    def then(self, h: Handle, off: int, n: int, end: int, what: str, fits) -> None:
+        """A stale handle answered a read at `off` with `what`, up to `end`: the next read from
+        there must fail with ESTALE, or return what `fits`."""
+        try:
+            more = os.pread(h.fd, 4096, end)
+        except OSError as e:
+            self.expect(e.errno == errno.ESTALE, f"pread after a short one: {e!r}")
+            self.note("pread fd", h.fd, off, n, what, "then ESTALE")
+            return
+        self.expect(fits(more), f"pread fd {h.fd} at {off} for {n}: {what} up to {end}, then {len(more)} more bytes")
+        self.note("pread fd", h.fd, off, n, what, "up to", end)
 
     def mmap(self) -> None:
         # Not through a handle that may be stale: a page fault that fails is SIGBUS, which would
