@@ -928,9 +928,8 @@ class Committer:
                         kept_of=s)  # a rename or unlink of s stops this commit too
         await self._commit(shadow)
         if kept.generation >= s.committed_generation:
-            # Under the shadow's key, or left for a waiting rename under the key it had (published).
-            s.committed_generation = kept.generation
-            s.committed_key = shadow.published[0] if shadow.published else shadow.committed_key
+            # (A kept version is never left for a rename to copy: `_finishes_for_rename`.)
+            s.committed_generation, s.committed_key = kept.generation, shadow.committed_key
         s.attempts = 0
         s.retry_reason = ""
         s.error = None
