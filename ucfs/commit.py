@@ -345,6 +345,10 @@ class Staged:
     # file itself is asked to (`giving_up`).
     kept_of: "Staged | None" = None
     row_pending: bool = False  # a close is writing the file's first journal row (flush)
+    # The generation a close is pointing the file's journal row at (flush), while it does: a commit
+    # of an older version that ends meanwhile must leave that row alone, or the close is not
+    # recorded anywhere until its own commit.
+    recording: int = -1
     # Taken up from the journal at mount: its inode was made without asking the store, so an
     # older object may be under its key that unlink/rename must still delete.
     replayed: bool = False
@@ -934,7 +938,10 @@ class Committer:
         s.retry_reason = ""
         s.error = None
         if s.kept is kept:  # else a close superseded it meanwhile, and the row is that close's
-            self._end_kept(s)
+            if s.recording > kept.generation:
+                self._supersede_kept(s)  # a close is taking the row over right now
+            else:
+                self._end_kept(s)
         s.notify()
 
     async def _copy_in(self, node: Inode, s: Staged) -> None:
@@ -1258,7 +1265,11 @@ class Committer:
                     if s.kept is not None:
                         self._supersede_kept(s)  # this close is newer, and its row names it
                 else:
-                    await self.journal.mark_ready(s.rid, size, path, s.path.name)
+                    s.recording = gen
+                    try:
+                        await self.journal.mark_ready(s.rid, size, path, s.path.name)
+                    finally:
+                        s.recording = -1
                     s.closed_size = size
                     if s.kept is not None:
                         self._supersede_kept(s)  # this close is newer: the row names it now
@@ -1659,14 +1670,17 @@ class Committer:
         # otherwise put the row's older version back over what fsync promised.
         stale_row = None
         if s.kept is not None and gen >= s.kept.generation:
-            if gen > s.kept.generation:
-                stale_row, s.rid = s.rid, None
-            self._end_kept(s)  # its version, or a newer one, is in the store: it must never follow
+            if s.recording > gen:
+                self._supersede_kept(s)  # a newer close is taking its row over
+            else:
+                if gen > s.kept.generation:
+                    stale_row, s.rid = s.rid, None
+                self._end_kept(s)  # its version, or a newer one, is in the store: it must never follow
         self.stats["committed"] += 1
         self.stats["committed_bytes"] += s.size
         log.debug("committed %s (%d bytes) in %.2f s%s", node.mount_path(), s.size, time.monotonic() - t0,
                   ": unchanged since its last commit, nothing sent" if unchanged else "")
-        if s.committed_generation >= s.flushed_generation and s.rid is not None:
+        if s.committed_generation >= s.flushed_generation and s.rid is not None and s.recording <= gen:
             # (Also while the file is dirty again: what was written since no close has covered.)
             if gen > s.flushed_generation:
                 stale_row, s.rid = s.rid, None

@@ -1202,3 +1202,56 @@ def test_a_rename_while_every_part_of_a_whole_file_upload_is_in_flight_sends_its
             n.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a_close_recording_its_row_while_the_kept_version_commits_keeps_that_row(tmp_path):
+    """v1 is closed (a row), then opened again with O_TRUNC before its commit, so v1 is kept aside;
+    v2 is written and closed. That close points the row at v2 while v1's commit is still running,
+    and v1's commit ends during that journal write. It removed the row as its own (`_end_kept`):
+    until v2's own commit, a crash had nothing of v2 to publish, and the store kept v1. Found by the
+    random run (seed 319), where a directory rename queued the kept version's commit at once."""
+    import sqlite3
+
+    store = GatedPutStore()
+
+    async def main():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, _cfg(tmp_path))
+            fh = await _write(core, vol, "f.bin", b"v1" * 1000)
+            await core.flush(fh)
+            store.gate.clear()  # v1's commit waits in its PUT
+            await core.release(fh)
+            ino = (await core.lookup(vol, "f.bin")).ino
+            fh, _ = await core.open(ino, os.O_WRONLY | os.O_TRUNC)  # v1 kept aside
+            await core.write(fh, 0, b"v2")
+            with trio.fail_after(10):
+                while not store.put_waiting.is_set():
+                    await trio.sleep(0.01)
+            committed = committer.stats["committed"]
+            mark_ready = committer.journal.mark_ready
+
+            async def mark_ready_while_v1_ends(*args):
+                await mark_ready(*args)
+                store.gate.set()  # v1's commit ends before this close has recorded its row
+                with trio.fail_after(10):
+                    while committer.stats["committed"] == committed:
+                        await trio.sleep(0.01)
+                await trio.sleep(0.1)  # and whatever it does after
+
+            committer.journal.mark_ready = mark_ready_while_v1_ends
+            await core.flush(fh)
+            await committer.journal.settle()
+            # What a crash right now would find (a second connection sees committed rows only).
+            db = sqlite3.connect(committer.journal.path)
+            left = db.execute("SELECT size FROM pending").fetchall()
+            db.close()
+            assert _stored(store, "f.bin") == b"v1" * 1000
+            assert left == [(2,)], f"a crash now would publish {left}, not the closed 2 bytes of v2"
+            await core.release(fh)
+            with trio.fail_after(10):
+                while _stored(store, "f.bin") != b"v2" or committer.journal.records():
+                    await trio.sleep(0.01)
+            await committer.shutdown(drain=True)
+            n.cancel_scope.cancel()
+
+    trio.run(main)
