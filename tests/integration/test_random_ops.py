@@ -10,10 +10,11 @@ change). Another writer's changes are seen within the metadata TTL. Every fsync 
 store, and listings now and then; at the end the listing, every file, the store, and a remount must
 all agree with the model.
 
-Runs like this found three bugs the rest of the suite had missed: a truncating open beside a
+Runs like this found four bugs the rest of the suite had missed: a truncating open beside a
 passthrough writer kept the writer's bytes, fsync through a handle opened before a change did not
-wait for it, and a file renamed out of a directory that had just moved twice failed with ENOENT
-(test_passthrough.py, test_write.py and test_rename_durability.py pin them down).
+wait for it, a file renamed out of a directory that had just moved twice failed with ENOENT, and a
+close lost its journal row to a commit of the version before it, so a crash lost the close
+(test_passthrough.py, test_write.py, test_rename_durability.py and test_close_commit.py pin them down).
 UCFS_RANDOM_OPS_STEPS sets the steps per seed (default 600), UCFS_RANDOM_OPS_SEEDS the seeds
 (default "7,14").
 """
