@@ -344,14 +344,33 @@ class GatedPutStore(GatedStore):
         return self.inner.put(*args, **kw)
 
 
+def _rows_a_crash_would_find(committer) -> list[tuple[int]]:
+    """The sizes of the journal's rows as a crash now would find them: a second connection sees
+    committed rows only."""
+    import sqlite3
+
+    db = sqlite3.connect(committer.journal.path)
+    try:
+        return db.execute("SELECT size FROM pending").fetchall()
+    finally:
+        db.close()
+
+
+async def _released_and_committed(core, committer, store, fh, data: bytes) -> None:
+    """Release f.bin's handle, wait until the store holds `data` and no row is left, and stop."""
+    await core.release(fh)
+    with trio.fail_after(10):
+        while _stored(store, "f.bin") != data or committer.journal.records():
+            await trio.sleep(0.01)
+    await committer.shutdown(drain=True)
+
+
 def test_fsync_past_a_recorded_close_leaves_no_row_that_would_roll_the_store_back(tmp_path):
     """A writer closes a duplicate (a row for v1), writes on and fsyncs, and writes more while that
     fsync uploads: v2 is in the store when fsync returns. The row names v1 (a replay publishes only
     the closed bytes), so no row may be left then for a crash to replay: it would put v1 back over
     the v2 that fsync promised. The writes made during the upload were never closed: a crash leaves
     the store at v2."""
-    import sqlite3
-
     store = GatedPutStore()
 
     async def main():
@@ -376,18 +395,11 @@ def test_fsync_past_a_recorded_close_leaves_no_row_that_would_roll_the_store_bac
             store.gate.set()
             with trio.fail_after(10):
                 await done.wait()
-            # What a crash right now would find (a second connection sees committed rows only).
-            db = sqlite3.connect(committer.journal.path)
-            left = db.execute("SELECT size FROM pending").fetchall()
-            db.close()
+            left = _rows_a_crash_would_find(committer)
             assert _stored(store, "f.bin") == b"v1+v2"
             assert left == [], f"a crash now would publish the closed {left} bytes over the fsynced 5"
             await core.flush(fh)
-            await core.release(fh)
-            with trio.fail_after(10):
-                while _stored(store, "f.bin") != b"v1+v2 more" or committer.journal.records():
-                    await trio.sleep(0.01)
-            await committer.shutdown(drain=True)
+            await _released_and_committed(core, committer, store, fh, b"v1+v2 more")
             n.cancel_scope.cancel()
 
     trio.run(main)
@@ -1210,8 +1222,6 @@ def test_a_close_recording_its_row_while_the_kept_version_commits_keeps_that_row
     and v1's commit ends during that journal write. It removed the row as its own (`_end_kept`):
     until v2's own commit, a crash had nothing of v2 to publish, and the store kept v1. Found by the
     random run (seed 319), where a directory rename queued the kept version's commit at once."""
-    import sqlite3
-
     store = GatedPutStore()
 
     async def main():
@@ -1241,17 +1251,10 @@ def test_a_close_recording_its_row_while_the_kept_version_commits_keeps_that_row
             committer.journal.mark_ready = mark_ready_while_v1_ends
             await core.flush(fh)
             await committer.journal.settle()
-            # What a crash right now would find (a second connection sees committed rows only).
-            db = sqlite3.connect(committer.journal.path)
-            left = db.execute("SELECT size FROM pending").fetchall()
-            db.close()
+            left = _rows_a_crash_would_find(committer)
             assert _stored(store, "f.bin") == b"v1" * 1000
             assert left == [(2,)], f"a crash now would publish {left}, not the closed 2 bytes of v2"
-            await core.release(fh)
-            with trio.fail_after(10):
-                while _stored(store, "f.bin") != b"v2" or committer.journal.records():
-                    await trio.sleep(0.01)
-            await committer.shutdown(drain=True)
+            await _released_and_committed(core, committer, store, fh, b"v2")
             n.cancel_scope.cancel()
 
     trio.run(main)
