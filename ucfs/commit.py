@@ -1958,6 +1958,12 @@ class Committer:
         if st is None:
             if s.size < STREAM_START_BYTES:
                 return
+            if s.commit_lock.locked():
+                # A commit (an fsync's, say) is sending the file as it is now, and a stream would
+                # send the same bytes again from its first part. The next write (or growth the
+                # watcher finds) after the commit begins one; a passthrough watcher that found
+                # this growth before the fsync took it comes back only now.
+                return
             st = s.stream = Stream(s.node.key, verify=s.pt_writers > 0)
             st.idle.set()
             self._nursery.start_soon(self._create_stream, s, st)

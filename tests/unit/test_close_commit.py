@@ -1258,3 +1258,67 @@ def test_a_close_recording_its_row_while_the_kept_version_commits_keeps_that_row
             n.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_growth_a_commit_already_sends_does_not_begin_a_stream_of_it(tmp_path, monkeypatch):
+    """The watcher finds that a passthrough writer's file grew and looks for holes in it, in a thread.
+    An fsync that arrives meanwhile commits the file whole. The watcher, back from its look, began a
+    stream of those same bytes, and the close then finished it: the file was sent twice (seen in CI,
+    test_passthrough.py, 40 MiB written, fsynced and closed)."""
+    monkeypatch.setattr(commit_mod, "STREAM_START_BYTES", 4 * MiB)
+    looking, look_back = threading.Event(), threading.Event()
+    first_hole = commit_mod._first_hole
+    looks = []
+
+    def slow_first_hole(fd, start):
+        looks.append(start)
+        if len(looks) == 1:  # the watcher's look: it ends once the fsync is sending the file
+            looking.set()
+            look_back.wait(30)
+        return first_hole(fd, start)
+
+    monkeypatch.setattr(commit_mod, "_first_hole", slow_first_hole)
+    store = GatedStore()
+    data = os.urandom(24 * MiB)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, _cfg(tmp_path))
+            fh, _ = await core.create(vol, "pt.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            h = core.file_handle(fh)
+            s = h.staged
+            h.passthrough = True  # as if the kernel had granted it (ucfs.passthrough)
+            committer.passthrough_opened(s, True)
+            grown = committer._grown
+            watcher_acted = trio.Event()
+
+            def grown_then_noted(staged):
+                grown(staged)
+                watcher_acted.set()
+
+            committer._grown = grown_then_noted
+            os.pwrite(s.fd, data, 0)  # the kernel writes it, past the daemon
+            with trio.fail_after(10):
+                while not looking.is_set():
+                    await trio.sleep(0.01)
+            store.gate.clear()
+            async with trio.open_nursery() as inner:
+                inner.start_soon(core.fsync, fh)
+                with trio.fail_after(10):
+                    while not store.parts_waiting:  # the fsync's commit is sending the file
+                        await trio.sleep(0.01)
+                look_back.set()
+                with trio.fail_after(10):
+                    await watcher_acted.wait()
+                store.gate.set()
+            assert _stored(store, "pt.bin") == data
+            await core.flush(fh)  # unchanged since the fsync: nothing more to send
+            await core.release(fh)
+            await committer.shutdown(drain=True)
+            sent = store.inner.statistics()
+            assert sent.get("create_multipart", 0) == 1, sent
+            assert sent.get("upload_part", 0) == 24, sent
+            assert committer.statistics().get("closed_unchanged", 0) == 1
+            n.cancel_scope.cancel()
+
+    trio.run(main)
