@@ -336,6 +336,10 @@ class Staged:
     # A rename or unlink waits for the commit lock: the commit holding it gives up at its next part
     # (and is queued again) rather than finish an upload under a name that is going away.
     abandon: bool = False
+    # Renames and unlinks waiting for the commit lock now. A worker whose turn comes while any do
+    # steps aside for them (`_take`): the lock is handed over in turn, and a second worker that
+    # took the file meanwhile was ahead of them, and committed it whole under the old name.
+    namespace_waiters: int = 0
     # ... except the rename of a file (`renamed`) that waits while the commit finishes a stream under
     # this key, the file's name until then: all of its parts are on their way, so that commit
     # completes the upload and leaves the object (`published`) for the rename to copy.
@@ -1493,6 +1497,12 @@ class Committer:
 
     async def _take(self, s: Staged) -> None:
         """A worker's turn with s, under its commit lock."""
+        if s.namespace_waiters:
+            # A rename or unlink waits for the lock, and asked the commit before this one to give
+            # up: it goes first. The file is queued again, for its turn after that.
+            self.stats["stepped_aside"] += 1
+            self._enqueue(s)
+            return
         s.abandon = False  # whoever asked has had the lock by now (or gave up waiting)
         self._remove_superseded(s)
         if s.dropped or s.node.staged is not s:
@@ -2183,12 +2193,18 @@ class Committer:
         if s.commit_lock.locked():
             s.abandon = True
             s.moving_from = moving_from
+        s.namespace_waiters += 1
+        waiting = True
         try:
             async with s.commit_lock:
+                s.namespace_waiters -= 1
+                waiting = False
                 s.abandon = False
                 s.moving_from = None
                 yield
         finally:
+            if waiting:
+                s.namespace_waiters -= 1
             s.moving_from = None
 
     async def settle_journal(self) -> None:

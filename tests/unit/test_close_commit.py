@@ -1322,3 +1322,38 @@ def test_growth_a_commit_already_sends_does_not_begin_a_stream_of_it(tmp_path, m
             n.cancel_scope.cancel()
 
     trio.run(main)
+
+
+@pytest.mark.parametrize("op", ["rename", "unlink"])
+def test_a_rename_or_unlink_does_not_wait_for_a_commit_queued_behind_the_one_it_stops(tmp_path, op):
+    """A log appended to and closed again while its last version uploads: a second worker takes the
+    file and waits for its commit lock. `mv` (or `rm`) then asks the upload under way to give up,
+    and it does - but the lock went to that second worker first, which uploaded the whole file
+    under the name going away while the rename waited (and the kernel held the directory)."""
+    store, parts_by_key = _gated_store_counting_parts()
+    data, more = os.urandom(64 * MiB), os.urandom(MiB)  # 64 parts of 1 MiB, then one more
+
+    async def main():
+        async with trio.open_nursery() as n:
+            core, committer, vol = await open_core(tmp_path, store, n, _cfg(tmp_path))
+            fh = await _write_back_to_front(core, vol, "old.bin", data)
+            await core.release(fh)  # queued: a worker starts the multipart upload
+            with trio.fail_after(10):
+                while store.parts_waiting < 1:
+                    await trio.sleep(0.01)
+            ino = (await core.lookup(vol, "old.bin")).ino
+            fh, _ = await core.open(ino, os.O_WRONLY | os.O_APPEND)
+            await core.write(fh, len(data), more)
+            await core.flush(fh)
+            await core.release(fh)  # queued again: a second worker waits for the commit lock
+            with trio.fail_after(10):
+                while committer._queue:
+                    await trio.sleep(0.01)
+            await _rename_or_unlink_once_parts_wait(core, vol, store, op)
+            await committer.shutdown(drain=True)
+            assert parts_by_key.get("pfx/old.bin", 0) <= 16, parts_by_key  # not 64, nor 64 + 65
+            assert _stored(store, "new.bin") == (data + more if op == "rename" else None)
+            assert _stored(store, "old.bin") is None
+            n.cancel_scope.cancel()
+
+    trio.run(main)
