@@ -5,7 +5,8 @@ ETag, block index). A changed object has a new ETag, so its old blocks are never
 a change is a miss, never stale data. Where the mount learns that a version is gone (it overwrote,
 renamed or deleted the object, or saw another ETag in the store), its blocks are deleted at once
 (`retire`) unless a handle still reads them: a checkpoint rewritten every epoch would otherwise fill
-the cache with dead versions and push out the data set. Versions nobody told us about age out.
+the cache with dead versions and push out the data set. Versions nobody told us about age out. A
+rename is a copy in the store: the blocks of the version copied become the copy's (`rekey`).
 
 Storage. Blocks fetched together (one ranged GET: up to a part, 8 blocks) are written together, as
 one *segment* file::
@@ -66,6 +67,7 @@ LAYOUT = "v3"
 _MAGIC = b"UCFSSEG3"
 # magic, block size, data length, first block, block count, identity hash (16 bytes of sha256)
 _HEADER = struct.Struct("<8sIQQI16s")
+_IDENT_OFFSET = _HEADER.size - 16  # where the identity hash lies in the header
 HEADER_BYTES = 4096  # one page, so the data that follows is aligned for O_DIRECT
 # Segments with less data than this are written through the page cache (see the module doc).
 SMALL_SEGMENT_BYTES = 1 << 20
@@ -619,6 +621,56 @@ class BlockCache:
         if names:
             self._stats["retired"] += len(names)
         return freed
+
+    def rekey(self, old: ObjectVersion, new: ObjectVersion) -> int:
+        """`new` is a copy the store made of `old` (a rename: the same bytes under another key, often
+        with another ETag): old's segments become new's, so that what was read before `mv` is not
+        fetched again after it. Each segment gets new's identity in its header, then new's name; a
+        crash between the two leaves a header naming another version than the file name, which a
+        read rejects (a miss, never wrong data). Not while `old` is pinned: its readers go on asking
+        for it by its own name (it is retired at their last close). Returns the bytes moved."""
+        d, nd = old.digest, new.digest
+        if d == nd:
+            return 0
+        self._ensure_subdir(d[:2])
+        self._ensure_subdir(nd[:2])
+        ident = bytes.fromhex(nd[:32])
+        moved = 0
+        with self._room_lock:  # no eviction removes a segment while it is moved
+            with self._lock:
+                if d in self._pins:
+                    return 0
+                names = sorted(self._segments.get(d, ()))
+            for name in names:
+                _, first, count = _parse_name(name)  # type: ignore[misc]
+                new_name = f"{nd}.{first}.{count}"
+                path, new_path = self._path(name), self._path(new_name)
+                try:
+                    fd = os.open(path, os.O_WRONLY)
+                    try:
+                        if os.pwrite(fd, ident, _IDENT_OFFSET) != len(ident):
+                            raise OSError(errno.EIO, "short write of a segment header")
+                    finally:
+                        os.close(fd)
+                    new_path.parent.mkdir(exist_ok=True, mode=0o700)
+                    os.replace(path, new_path)
+                    size = _disk_bytes(os.stat(new_path).st_size)
+                except FileNotFoundError:
+                    self._forget(name)  # retired meanwhile
+                    continue
+                except OSError as e:
+                    # Whichever version its header names now, it is not to be trusted: drop it.
+                    log.info("could not move cache segment %s to %s: %s", name, new_name, e)
+                    self._remove(name)
+                    continue
+                self._forget(name)
+                self._forget(new_name)  # a read of the new name that fetched the same blocks first
+                with self._lock:
+                    self._index(new_name, size)
+                moved += size
+        if moved:
+            self._stats["moved"] += 1
+        return moved
 
     def shrink_for(self, need_bytes: int) -> int:
         """Evict least recently used unpinned segments until `need_bytes` are freed (the disk is

@@ -34,7 +34,7 @@ from .catalog import Catalog, Volume
 from .config import MountConfig
 from .inodes import Entry, Inode, InodeTable, Kind, Listing
 from .prefetch import BufferPool, InFlight, MemoryBudget, ObjectReader
-from .store import MAX_KEY_BYTES
+from .store import MAX_KEY_BYTES, ObjectInfo
 
 log = logging.getLogger(__name__)
 
@@ -637,6 +637,28 @@ class Core:
         version = ObjectVersion(self.store_for(vol).name, vol.bucket, key, etag)
         if self.cache.may_hold(version):  # (most deleted or changed files never were read here)
             self._nursery.start_soon(self._retire, version)
+
+    def copied_version(self, vol: Volume, old_key: str, old_etag: str, copy: ObjectInfo) -> None:
+        """A rename copied `old_key` to `copy.key` in the store, and deletes `old_key`: if the copy
+        holds the version this mount knew (`old_etag`, which may be cached), its cached blocks
+        become the copy's, in a disk thread. Otherwise (changed by another host meanwhile, or a
+        store that cannot say what it copied) the old version is retired as any gone one is."""
+        if not old_etag or copy.source_etag != old_etag:
+            self.retire_version(vol, old_key, old_etag)
+            return
+        if self.cache is None or self._nursery is None:
+            return
+        store = self.store_for(vol).name
+        old = ObjectVersion(store, vol.bucket, old_key, old_etag)
+        if self.cache.may_hold(old):
+            self._nursery.start_soon(self._move_cached, old, ObjectVersion(store, vol.bucket, copy.key, copy.etag))
+
+    async def _move_cached(self, old: ObjectVersion, new: ObjectVersion) -> None:
+        assert self.cache is not None
+        moved = await run_disk(self.cache.rekey, old, new)
+        if moved:
+            self.stats["cache_bytes_moved"] += moved
+        await self._retire(old)  # what is left of it: segments of a handle's (pinned), or written meanwhile
 
     async def _retire(self, version: ObjectVersion) -> None:
         assert self.cache is not None
@@ -1555,7 +1577,7 @@ class Core:
             await self._follow_rename(node, new_key, info.etag)
             await self._settle_journal()
             await store.delete(vol.bucket, old_key)
-            self.retire_version(vol, old_key, node.etag)
+            self.copied_version(vol, old_key, node.etag, info)
             self.inodes.move(node, new_parent, new_name)
             if node.local_mtime_etag and node.local_mtime_etag == node.etag:
                 node.local_mtime_etag = info.etag  # renamed, not changed: its mtime stays
@@ -1630,14 +1652,14 @@ class Core:
                                           f"be longer than {MAX_KEY_BYTES} bytes")
             limiter = trio.CapacityLimiter(32)
 
-            copied: dict[str, str] = {}  # old key -> ETag of its copy
+            copies: dict[str, ObjectInfo] = {}  # old key -> its copy
 
             async def copy(key: str) -> None:
                 async with limiter:
                     if key in staged_keys:
                         return  # its local data is committed under the new name below
                     info = await store.copy(vol.bucket, key, new_prefix + key[len(old_prefix):])
-                    copied[key] = info.etag
+                    copies[key] = info
 
             async with trio.open_nursery() as n:
                 for k in keys:
@@ -1648,9 +1670,9 @@ class Core:
             # alone does (before the move: a local copy, if one is needed, reads the old key).
             reading = {h.inode: h.version.key for h in self._handles.values()
                        if isinstance(h, FileHandle) and h.staged is None and h.version is not None
-                       and h.version.key in copied}
+                       and h.version.key in copies}
             for f, old in reading.items():
-                await self._follow_rename(f, new_prefix + old[len(old_prefix):], copied[old])
+                await self._follow_rename(f, new_prefix + old[len(old_prefix):], copies[old].etag)
             old_parent, old_name, old_path = node.parent, node.name, node.mount_path()
             self.inodes.move(node, new_parent, new_name)
             etags = [(s, s.node.etag) for s in staged]
@@ -1666,7 +1688,7 @@ class Core:
                 # them) under the old ones for the next mount to publish there.
                 log.warning("rename of %s to %s undone: %s", old_path, node.mount_path(), e)
                 # A replaced directory's marker (new_prefix) stays: it marked that directory before.
-                made = {new_prefix + k[len(old_prefix):] for k in (*copied, *staged_keys)} | {new_prefix}
+                made = {new_prefix + k[len(old_prefix):] for k in (*copies, *staged_keys)} | {new_prefix}
                 if target is not None:
                     made.discard(new_prefix)
                 self.inodes.move(node, old_parent, old_name)
@@ -1675,7 +1697,7 @@ class Core:
                 for s, etag in etags:
                     s.node.etag = etag
                 for f, old in reading.items():  # readers back on the old keys
-                    await self._follow_rename(f, old, copied[old])
+                    await self._follow_rename(f, old, copies[old].etag)
                 await self._delete_quietly(store, vol, made)
                 raise
             for s in staged:
@@ -1689,7 +1711,10 @@ class Core:
         async def delete(key: str) -> None:
             async with limiter:
                 await store.delete(vol.bucket, key)
-            self.retire_version(vol, key, left.get(key, ""))
+            if key in copies:
+                self.copied_version(vol, key, left.get(key, ""), copies[key])
+            else:
+                self.retire_version(vol, key, left.get(key, ""))
 
         # Objects first, then directory markers deepest first, so no store sees a marker go while
         # something beneath it is still there.

@@ -123,6 +123,9 @@ class ObjectInfo:
     size: int
     etag: str  # without quotes
     mtime_ns: int
+    # What a copy returns: the ETag of the version it copied (it names it in its precondition, so
+    # the copy holds exactly those bytes), or "" where the store cannot say.
+    source_etag: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -678,7 +681,7 @@ class S3Store:
                                   CopySource={"Bucket": bucket, "Key": src_key},
                                   CopySourceIfMatch=f'"{src.etag}"')
                 etag = _split_etag(resp.get("CopyObjectResult", {}).get("ETag"))
-            return ObjectInfo(dst_key, src.size, etag, time.time_ns())
+            return ObjectInfo(dst_key, src.size, etag, time.time_ns(), src.etag)
         # Larger than one CopyObject may be: copy in parts on the server side.
         part = 1024 ** 3
         upload_id = self.create_multipart(bucket, dst_key)
@@ -700,7 +703,7 @@ class S3Store:
                                   CopySourceIfMatch=f'"{src.etag}"')
                 parts.append((n, _split_etag(resp["CopyPartResult"]["ETag"])))
             info = self.complete_multipart(bucket, dst_key, upload_id, parts)
-            return ObjectInfo(dst_key, src.size, info.etag, info.mtime_ns)
+            return ObjectInfo(dst_key, src.size, info.etag, info.mtime_ns, src.etag)
         except BaseException:
             self.abort_multipart(bucket, dst_key, upload_id)
             raise
@@ -1107,7 +1110,7 @@ class MemoryStore:
         n = _MemObject(o.data, o.etag, time.time_ns())
         with self._lock:
             self._bucket(bucket)[dst_key] = n
-        return ObjectInfo(dst_key, len(o.data), n.etag, n.mtime_ns)
+        return ObjectInfo(dst_key, len(o.data), n.etag, n.mtime_ns, o.etag)
 
     def delete(self, bucket: str, key: str) -> None:
         self._counters.add("delete")

@@ -265,6 +265,53 @@ def test_a_retired_version_leaves_the_disk_at_once_unless_a_handle_reads_it(tmp_
     assert make(tmp_path).statistics()["segments"] == 1  # only `other` is left on disk
 
 
+def test_a_copied_version_takes_over_the_blocks_of_the_one_it_copies(tmp_path):
+    """A rename copies the object in the store: its cached blocks become the copy's (`rekey`),
+    rather than be deleted with the old name and fetched again under the new one."""
+    c = make(tmp_path)
+    old, new = v("a/old.bin", "e1"), v("b/new.bin", "e1-copy")
+    data = os.urandom(16 * MiB + 5)
+    for first in (0, 8, 16):
+        assert c.put_blocks(old, first, data[first * MiB:(first + 8) * MiB])
+    used = c.statistics()["used_bytes"]
+
+    assert c.rekey(old, new) == used
+    assert not any(c.contains(old, i) for i in range(17))
+    got = bytearray(17 * MiB)
+    assert c.get_blocks(new, 0, memoryview(got)[:len(data)]) == [True] * 17
+    assert bytes(got[:len(data)]) == data
+    st = c.statistics()
+    assert st["used_bytes"] == used and st["segments"] == 3
+    fresh = make(tmp_path)  # and so it is on disk: the next mount finds the copy's blocks
+    assert fresh.get_block(new, 16) == data[16 * MiB:] and fresh.get_block(old, 0) is None
+
+    # Renamed back while a handle reads the copy: its blocks stay where the handle looks for them.
+    c.pin(new)
+    assert c.rekey(new, old) == 0 and c.get_block(new, 0) == data[:MiB]
+    c.unpin(new)
+
+
+def test_a_segment_whose_move_a_crash_cut_short_is_a_miss(tmp_path):
+    """`rekey` writes the copy's identity into a segment's header, then renames it: a crash between
+    the two leaves a header that names neither the version its file name says nor any other there."""
+    c = make(tmp_path)
+    old, new = v("old", "e1"), v("new", "e2")
+    assert c.put_blocks(old, 0, os.urandom(2 * MiB))
+    path = seg_path(c, old, 0)
+
+    def crash(src, dst):
+        raise SystemExit("killed")  # the process ends between the header and the rename
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cache_mod.os, "replace", crash)
+        with pytest.raises(SystemExit):
+            c.rekey(old, new)
+    assert path.exists()
+    after = make(tmp_path)
+    assert after.get_block(old, 0) is None and after.get_block(new, 0) is None
+    assert not path.exists()  # taken for damage, and removed
+
+
 def test_index_is_usable_before_the_background_scan(tmp_path):
     c = make(tmp_path)
     data = os.urandom(3 * MiB)
