@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import trio
@@ -40,8 +41,14 @@ def test_a_read_that_would_wait_for_the_disk_is_not_done_in_place(tmp_path):
     fd = os.open(p, os.O_RDONLY)
     try:
         os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # drop its clean pages
-        if aiostore.pread_cached(fd, 4096, 128 * 1024) is not None:
+        for _ in range(20):
+            # Drop its clean pages. Pages still in another CPU's batch of pages on their way to the
+            # LRU lists are not dropped (seen once in a full run): ask again, a moment later.
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            if aiostore.pread_cached(fd, 4096, 128 * 1024) is None:
+                break
+            time.sleep(0.05)
+        else:
             pytest.skip("this file system kept the pages (tmpfs has no disk to wait for)")
         assert len(os.pread(fd, 4096, 128 * 1024)) == 4096  # a thread's plain read gets them
     finally:
