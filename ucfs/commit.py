@@ -293,6 +293,9 @@ class _Rename:
     # unless it was copied to the new key on the server (then `Committer.renamed` does).
     old_object: bool = False
     copied: bool = False
+    # What a copy on the server made under the new key, where the rename made one: the cached
+    # blocks of the version it copied become its (`Core.copied_version`).
+    copy: ObjectInfo | None = None
 
 
 @dataclass(eq=False)
@@ -2360,7 +2363,7 @@ class Committer:
                          old_key, e)
             else:
                 self._copied(s, info, s.generation)
-                return _Rename(old_object=True, copied=True)
+                return _Rename(old_object=True, copied=True, copy=info)
         if (old_key is not None and had >= 0 and s.flushed_generation <= had and s.kept is None
                 and s.writers > 0 and (s.generation > had or s.pt_writers)
                 and s.committed_key in (old_key, s.node.key)):
@@ -2375,6 +2378,7 @@ class Committer:
                 info = await self.core.store_for(vol).copy(vol.bucket, old_key, s.node.key)
                 s.node.etag = info.etag
                 s.committed_key = s.node.key
+                return _Rename(renames_row=True, copy=info)
             return _Rename(renames_row=True)
         s.committed_generation = -1  # whatever was committed went under the old name
         if s.flushed_generation < had:

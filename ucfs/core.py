@@ -639,17 +639,17 @@ class Core:
             self._nursery.start_soon(self._retire, version)
 
     def copied_version(self, vol: Volume, old_key: str, old_etag: str, copy: ObjectInfo) -> None:
-        """A rename copied `old_key` to `copy.key` in the store, and deletes `old_key`: if the copy
-        holds the version this mount knew (`old_etag`, which may be cached), its cached blocks
-        become the copy's, in a disk thread. Otherwise (changed by another host meanwhile, or a
-        store that cannot say what it copied) the old version is retired as any gone one is."""
-        if not old_etag or copy.source_etag != old_etag:
+        """A rename copied `old_key` to `copy.key` in the store, and deletes `old_key`. The copy
+        holds the version its precondition named (`copy.source_etag`): that version's cached blocks
+        become the copy's, in a disk thread. Another version of the old key this mount knew
+        (`old_etag`: changed elsewhere meanwhile) is retired as any gone one is, as is the one it
+        knew where the store cannot say what it copied."""
+        if old_etag and old_etag != copy.source_etag:
             self.retire_version(vol, old_key, old_etag)
-            return
-        if self.cache is None or self._nursery is None:
+        if not copy.source_etag or self.cache is None or self._nursery is None:
             return
         store = self.store_for(vol).name
-        old = ObjectVersion(store, vol.bucket, old_key, old_etag)
+        old = ObjectVersion(store, vol.bucket, old_key, copy.source_etag)
         if self.cache.may_hold(old):
             self._nursery.start_soon(self._move_cached, old, ObjectVersion(store, vol.bucket, copy.key, copy.etag))
 
@@ -1614,7 +1614,10 @@ class Core:
         if (had_remote or plan.old_object) and not plan.copied:  # (copied: the committer deleted it)
             await self._settle_journal()
             await store.delete(vol.bucket, old_key)
-        self.retire_version(vol, old_key, old_etag)  # the old name's object, committed before the rename
+        if plan.copy is not None:
+            self.copied_version(vol, old_key, old_etag, plan.copy)
+        else:
+            self.retire_version(vol, old_key, old_etag)  # the old name's object, committed before the rename
 
     async def _rename_dir(self, store: AsyncStore, vol: Volume, node: Inode, target: Inode | None,
                           new_parent: Inode, new_name: str) -> None:

@@ -279,6 +279,30 @@ def test_what_was_read_before_mv_is_read_from_the_cache_after_it(mount, s3, buck
         assert not (v / gone).exists()
 
 
+def test_a_file_renamed_while_open_after_its_fsync_keeps_its_cached_blocks(mount_factory, store_requests):
+    """The same for a file written here and still open: the fsync committed it and cached it, and
+    the rename copies the committed object on the server (--no-passthrough: a passthrough writer's
+    close counts as a change, and would upload it again under the new name)."""
+    mount = mount_factory(args=("--no-passthrough",))
+    v = mount.path()
+    data = os.urandom(24 * MiB)
+    with open(v / "tmp.bin", "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+        assert wait_until(lambda: mount.status()["cache"]["used_bytes"] >= len(data), 10), mount.status()["cache"]
+        os.rename(v / "tmp.bin", v / "final.bin")
+    assert mount.status()["commits"].get("copied_for_rename", 0) == 1, mount.status()["commits"]
+    assert wait_until(lambda: mount.status()["core"].get("cache_bytes_moved", 0) >= len(data), 10), \
+        mount.status()["core"]
+    mount.stop()
+    mount.start()
+    server_before = store_requests.object_gets()
+    assert (v / "final.bin").read_bytes() == data
+    assert mount.store_stats().get("get", 0) == 0, mount.store_stats()
+    assert store_requests.object_gets() == server_before
+
+
 def test_remote_changes_are_seen_within_the_ttl(mount, s3, bucket, prefix):
     key = f"{prefix}/vol/live.txt"
     s3.put_object(Bucket=bucket, Key=key, Body=b"version one")
