@@ -2,11 +2,11 @@
 
 Identity. A block is `block_bytes` (1 MiB) of one object version, identified by (store, bucket, key,
 ETag, block index). A changed object has a new ETag, so its old blocks are never asked for again:
-a change is a miss, never stale data. Where the mount learns that a version is gone (it overwrote,
-renamed or deleted the object, or saw another ETag in the store), its blocks are deleted at once
-(`retire`) unless a handle still reads them: a checkpoint rewritten every epoch would otherwise fill
-the cache with dead versions and push out the data set. Versions nobody told us about age out. A
-rename is a copy in the store: the blocks of the version copied become the copy's (`rekey`).
+a change is a miss, never stale data. Where the mount learns that a version is gone (it overwrote
+or deleted the object, or saw another ETag in the store), its blocks are deleted at once (`retire`)
+unless a handle still reads them: a checkpoint rewritten every epoch would otherwise fill the cache
+with dead versions and push out the data set. Versions nobody told us about age out. A rename is a
+copy in the store: the blocks of the version copied become the copy's (`rekey`).
 
 Storage. Blocks fetched together (one ranged GET: up to a part, 8 blocks) are written together, as
 one *segment* file::
