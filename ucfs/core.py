@@ -638,18 +638,19 @@ class Core:
         if self.cache.may_hold(version):  # (most deleted or changed files never were read here)
             self._nursery.start_soon(self._retire, version)
 
-    def copied_version(self, vol: Volume, old_key: str, old_etag: str, copy: ObjectInfo) -> None:
-        """A rename copied `old_key` to `copy.key` in the store, and deletes `old_key`. The copy
-        holds the version its precondition named (`copy.source_etag`): that version's cached blocks
-        become the copy's, in a disk thread. Another version of the old key this mount knew
-        (`old_etag`: changed elsewhere meanwhile) is retired as any gone one is, as is the one it
-        knew where the store cannot say what it copied."""
-        if old_etag and old_etag != copy.source_etag:
+    def moved_version(self, vol: Volume, old_key: str, old_etag: str, copy: ObjectInfo | None) -> None:
+        """A rename took `old_key` away, copying it to `copy.key` in the store where it made a copy.
+        The copy holds the version its precondition named (`copy.source_etag`): that version's
+        cached blocks become the copy's, in a disk thread. The version of the old key this mount
+        knew (`old_etag`) is retired as any gone one is where it is not that one: no copy, a store
+        that cannot say what it copied, or a change made elsewhere meanwhile."""
+        source = copy.source_etag if copy is not None else ""
+        if old_etag and old_etag != source:
             self.retire_version(vol, old_key, old_etag)
-        if not copy.source_etag or self.cache is None or self._nursery is None:
+        if not source or self.cache is None or self._nursery is None:
             return
         store = self.store_for(vol).name
-        old = ObjectVersion(store, vol.bucket, old_key, copy.source_etag)
+        old = ObjectVersion(store, vol.bucket, old_key, source)
         if self.cache.may_hold(old):
             self._nursery.start_soon(self._move_cached, old, ObjectVersion(store, vol.bucket, copy.key, copy.etag))
 
@@ -1577,7 +1578,7 @@ class Core:
             await self._follow_rename(node, new_key, info.etag)
             await self._settle_journal()
             await store.delete(vol.bucket, old_key)
-            self.copied_version(vol, old_key, node.etag, info)
+            self.moved_version(vol, old_key, node.etag, info)
             self.inodes.move(node, new_parent, new_name)
             if node.local_mtime_etag and node.local_mtime_etag == node.etag:
                 node.local_mtime_etag = info.etag  # renamed, not changed: its mtime stays
@@ -1614,10 +1615,7 @@ class Core:
         if (had_remote or plan.old_object) and not plan.copied:  # (copied: the committer deleted it)
             await self._settle_journal()
             await store.delete(vol.bucket, old_key)
-        if plan.copy is not None:
-            self.copied_version(vol, old_key, old_etag, plan.copy)
-        else:
-            self.retire_version(vol, old_key, old_etag)  # the old name's object, committed before the rename
+        self.moved_version(vol, old_key, old_etag, plan.copy)  # the old name's object, committed before the rename
 
     async def _rename_dir(self, store: AsyncStore, vol: Volume, node: Inode, target: Inode | None,
                           new_parent: Inode, new_name: str) -> None:
@@ -1714,10 +1712,7 @@ class Core:
         async def delete(key: str) -> None:
             async with limiter:
                 await store.delete(vol.bucket, key)
-            if key in copies:
-                self.copied_version(vol, key, left.get(key, ""), copies[key])
-            else:
-                self.retire_version(vol, key, left.get(key, ""))
+            self.moved_version(vol, key, left.get(key, ""), copies.get(key))
 
         # Objects first, then directory markers deepest first, so no store sees a marker go while
         # something beneath it is still there.
