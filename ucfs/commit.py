@@ -294,7 +294,7 @@ class _Rename:
     old_object: bool = False
     copied: bool = False
     # What a copy on the server made under the new key, where the rename made one: the cached
-    # blocks of the version it copied become its (`Core.copied_version`).
+    # blocks of the version it copied become its (`Core.moved_version`).
     copy: ObjectInfo | None = None
 
 
@@ -417,6 +417,11 @@ class Staged:
     @property
     def dirty(self) -> bool:
         return self.committed_generation < self.generation
+
+    def note_committed(self, generation: int, key: str | None) -> None:
+        """Generation `generation` of the file is in the store, under `key`."""
+        if generation >= self.committed_generation:
+            self.committed_generation, self.committed_key = generation, key
 
     def notify(self) -> None:
         self.progress.set()
@@ -938,9 +943,8 @@ class Committer:
                         pt_written=True,  # the kernel's pages hold the new writes, not this
                         kept_of=s)  # a rename or unlink of s stops this commit too
         await self._commit(shadow)
-        if kept.generation >= s.committed_generation:
-            # (A kept version is never left for a rename to copy: `_finishes_for_rename`.)
-            s.committed_generation, s.committed_key = kept.generation, shadow.committed_key
+        # (A kept version is never left for a rename to copy: `_finishes_for_rename`.)
+        s.note_committed(kept.generation, shadow.committed_key)
         s.attempts = 0
         s.retry_reason = ""
         s.error = None
@@ -1671,8 +1675,7 @@ class Committer:
         # The kernel's pages are this content - unless passthrough writers wrote it, past the pages.
         node.page_cache_etag = None if s.pt_written else info.etag
         self.core.note_changed(node)  # listings and probes still on their way must not undo this
-        if gen >= s.committed_generation:
-            s.committed_generation, s.committed_key = gen, key
+        s.note_committed(gen, key)
         s.attempts = 0
         s.retry_reason = ""
         s.error = None
@@ -2403,8 +2406,7 @@ class Committer:
         node.local_mtime_etag = info.etag
         node.attr_expires = time.monotonic() + self.cfg.metadata_ttl_s
         node.page_cache_etag = None if s.pt_written else info.etag
-        if gen >= s.committed_generation:
-            s.committed_generation, s.committed_key = gen, node.key
+        s.note_committed(gen, node.key)
         s.attempts = 0
         s.retry_reason = ""
         s.error = None
