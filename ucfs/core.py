@@ -1792,7 +1792,8 @@ class Core:
                      "readahead_peak_bytes": self.budget.peak_bytes,
                      "readahead_budget_bytes": self.budget.capacity_bytes,
                      "buffers_reused": self.pool.reused, "buffers_discarded": self.pool.discarded,
-                     "buffers_trimmed": self.pool.trimmed,
+                     "buffers_trimmed": self.pool.trimmed, "buffers_prefilled": self.pool.prefilled,
+                     "buffers_mapped": self.pool.mapped, "buffers_idle": self.pool.idle,
                      "open_handles": len(self._handles)}
         out["stores"] = {name: s.store.statistics() for name, s in self.stores.items()}
         now = time.monotonic()

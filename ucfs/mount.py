@@ -390,6 +390,15 @@ async def serve(catalog: Catalog, cfg: MountConfig, opts: MountOptions,
             nursery.start_soon(watchdog.run)
             nursery.start_soon(rates.run)
             nursery.start_soon(_follow_readers, allocator, core.budget)
+            # One handle's whole read-ahead window of part buffers, made while the rest of the mount
+            # comes up, and awaited before it is announced (BufferPool.prefill).
+            prefilled = trio.Event()
+
+            async def prefill() -> None:
+                await core.pool.prefill(cfg.readahead_max_bytes // cfg.part_bytes)
+                prefilled.set()
+
+            nursery.start_soon(prefill)
 
             announced = trio.Event()  # the mount is tuned and announced: `ucfs status` says "ready"
             kernel: dict[str, int] = {}  # how the kernel was asked to send us reads (below)
@@ -452,6 +461,7 @@ async def serve(catalog: Catalog, cfg: MountConfig, opts: MountOptions,
                     await tune_kernel_readahead(mountpoint, readahead_kib)
                 except Exception:  # noqa: BLE001 - tuning is best effort; the mount must come up
                     log.warning("could not tune the kernel's read-ahead on %s", mountpoint, exc_info=True)
+                await prefilled.wait()
                 announced.set()
                 log.info("mounted %d volume(s) from %s at %s", len(catalog.volumes), catalog.source,
                          mountpoint)

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from tests.support import obj, sync_dir, wait_until
+from ucfs.config import MountConfig
 
 MiB = 1 << 20
 
@@ -175,6 +176,25 @@ def test_a_file_opened_as_soon_as_the_mount_is_ready_is_read_in_large_requests(m
     # 2, 4 and then 8 MiB at a time as the kernel's read-ahead ramps up: 7 requests, not 41 or 321.
     assert reads <= 9, f"{reads} read requests for 40 MiB: the kernel read ahead in small pieces"
     assert status["passthrough"]["vectored_replies"] >= 1, status["passthrough"]
+
+
+def test_the_first_cold_read_after_a_mount_maps_no_buffer_of_its_own(mount, s3, bucket, prefix):
+    """A mount makes one read-ahead window of part buffers as it starts, pages faulted in, before it
+    says it is ready (BufferPool.prefill): its first cold read then receives every ranged GET into
+    memory that is already there, as every later one does."""
+    data = os.urandom(96 * MiB)
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/first.bin", Body=data)
+    status = mount.status()
+    window = MountConfig().readahead_max_bytes // MountConfig().part_bytes
+    assert status["buffers_prefilled"] == status["buffers_idle"] == window, status
+    gets = mount.store_stats().get("get", 0)
+    out = subprocess.run(["dd", f"if={mount.path() / 'first.bin'}", "bs=1M", "status=none"],
+                         capture_output=True, check=True).stdout
+    assert hashlib.sha256(out).hexdigest() == hashlib.sha256(data).hexdigest()
+    status = mount.status()
+    assert mount.store_stats().get("get", 0) - gets >= len(data) // MountConfig().part_bytes
+    assert status["buffers_mapped"] == 0, {k: v for k, v in status.items() if k.startswith("buffers_")}
+    assert status["buffers_reused"] >= len(data) // MountConfig().part_bytes - 1
 
 
 @pytest.mark.slow
