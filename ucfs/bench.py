@@ -1546,7 +1546,8 @@ class Bench:
             core = st.get("core") or {}
             say(f"{name}: daemon CPU {_fmt_thread_cpu(cpu)}{per_file}; "
                 f"{core.get('reads', 0)} read requests, {core.get('read_waits', 0)} waited for data; "
-                f"GET buffers reused {st.get('buffers_reused', 0)}, discarded {st.get('buffers_discarded', 0)}")
+                f"GET buffers reused {st.get('buffers_reused', 0)}, mapped {st.get('buffers_mapped', 0)}, "
+                f"discarded {st.get('buffers_discarded', 0)}")
 
     def _verify_large(self, path: Path) -> None:
         """Head and tail of the file as read through the mount equal the object's (not timed)."""
