@@ -390,12 +390,12 @@ async def serve(catalog: Catalog, cfg: MountConfig, opts: MountOptions,
             nursery.start_soon(watchdog.run)
             nursery.start_soon(rates.run)
             nursery.start_soon(_follow_readers, allocator, core.budget)
-            # One handle's whole read-ahead window of part buffers, made while the rest of the mount
+            # The part buffers of one stream at its full window, made while the rest of the mount
             # comes up, and awaited before it is announced (BufferPool.prefill).
             prefilled = trio.Event()
 
             async def prefill() -> None:
-                await core.pool.prefill(cfg.readahead_max_bytes // cfg.part_bytes)
+                await core.pool.prefill(cfg.prefill_buffers)
                 prefilled.set()
 
             nursery.start_soon(prefill)

@@ -535,9 +535,8 @@ def test_a_prefilled_pool_hands_a_cold_read_buffers_already_faulted_in(cfg, cach
     data = make_object(store, 64 * MiB)
     budget = MemoryBudget(cfg.readahead_budget_bytes)
     pool = prefetch.BufferPool(cfg.part_bytes, budget)
-    window = cfg.readahead_max_bytes // cfg.part_bytes
-    run(lambda: pool.prefill(window))
-    assert pool.prefilled == pool.idle == window
+    run(lambda: pool.prefill(cfg.prefill_buffers))
+    assert pool.prefilled == pool.idle == cfg.prefill_buffers
     # Faulted in already: writing to every page of them faults (next to) nothing; a fresh buffer
     # of the same size faults at least once per huge page.
     fresh = _faults_writing_every_page([prefetch.anonymous_buffer(cfg.part_bytes)])
