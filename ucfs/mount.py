@@ -395,8 +395,13 @@ async def serve(catalog: Catalog, cfg: MountConfig, opts: MountOptions,
             prefilled = trio.Event()
 
             async def prefill() -> None:
-                await core.pool.prefill(cfg.prefill_buffers)
-                prefilled.set()
+                try:
+                    await core.pool.prefill(cfg.prefill_buffers)
+                except (OSError, MemoryError) as e:  # a speed-up only: the mount comes up without it
+                    log.warning("could not make the read-ahead buffers in advance (%s); reads make "
+                                "them as they need them", e)
+                finally:
+                    prefilled.set()
 
             nursery.start_soon(prefill)
 
