@@ -29,6 +29,7 @@ read someone waits for may take any of them at once, the furthest ahead first.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import logging
 import mmap
@@ -283,7 +284,7 @@ class BufferPool:
         GETs): a pool filled by a cold read sat beside a warm one's blocks, up to twice the budget."""
         budget = self.budget
         while self._free and budget.used_bytes + len(self._free) * self.buffer_bytes > budget.capacity_bytes:
-            self._free.pop().close()
+            _unmap(self._free.pop())
             self.trimmed += 1
 
     def _room_for_one_more(self) -> bool:
@@ -298,7 +299,20 @@ class BufferPool:
         if self._room_for_one_more():
             self._free.append(buf)
         else:
-            buf.close()
+            _unmap(buf)
+
+
+_unmapper: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _unmap(buf: mmap.mmap) -> None:
+    """Unmap a buffer let go of, in a thread of its own, now. munmap takes the process's memory-map
+    lock for writing, as mmap does (BufferPool.acquire), and waits for whoever holds it: on the event
+    loop that wait stalls every request. Nobody uses the buffer any more; only its memory goes."""
+    global _unmapper
+    if _unmapper is None:
+        _unmapper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ucfs-unmap")
+    _unmapper.submit(buf.close)
 
 
 class InFlight:

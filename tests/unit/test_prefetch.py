@@ -571,6 +571,42 @@ def test_prefill_keeps_no_more_than_the_budget_has_room_for(cfg):
     assert pool.idle == 4 and pool.prefilled == 4
 
 
+class _LetGoBuffer:
+    """Stands for a pooled buffer: no view of it is alive, and it records where it is unmapped."""
+
+    def __init__(self):
+        self.unmapped_in: threading.Thread | None = None
+        self.unmapped = threading.Event()
+
+    def resize(self, n):
+        raise ValueError(n)
+
+    def close(self):
+        self.unmapped_in = threading.current_thread()
+        self.unmapped.set()
+
+
+def test_buffers_the_pool_lets_go_are_unmapped_off_the_calling_thread():
+    """munmap waits for the memory-map lock as mmap does: the event loop, which releases and trims,
+    must not be the thread that waits. The one over the budget at release and the one a trim lets
+    go are both unmapped in a thread of their own."""
+    budget = MemoryBudget(16 * MiB)
+    pool = prefetch.BufferPool(8 * MiB, budget)
+    kept = [_LetGoBuffer(), _LetGoBuffer()]
+    over = _LetGoBuffer()
+    for buf in kept + [over]:
+        pool.release(buf)
+    assert pool.idle == 2
+    assert budget.try_reserve(8 * MiB)  # data in use now leaves room for one idle buffer
+    pool.trim()
+    assert pool.idle == 1 and pool.trimmed == 1
+    trimmed = kept[1]  # the pool hands out and lets go of its newest first
+    for buf in (over, trimmed):
+        assert buf.unmapped.wait(5)
+        assert buf.unmapped_in is not threading.current_thread()
+    assert kept[0].unmapped_in is None
+
+
 class CutShortStore(PooledStore):
     """PooledStore whose first ranged GET fails part-way through its body, as a reset connection
     does: the failing call still holds a view of the buffer it was reading into."""
