@@ -89,6 +89,11 @@ async def run_disk(fn: Callable[..., T], *args: Any) -> T:
     return await _DISK_POOL.run(fn, *args)
 
 
+def submit_disk(fn: Callable[..., Any], *args: Any) -> None:
+    """fn(*args) in a disk thread, waiting for nothing (ThreadPool.submit)."""
+    _DISK_POOL.submit(fn, *args)
+
+
 # A read of at most this much is tried on the event loop first (`pread_local`): copying it takes
 # tens of microseconds, less than the trip to a disk thread and back that it saves.
 INLINE_READ_MAX_BYTES = 1024 * 1024

@@ -29,7 +29,6 @@ read someone waits for may take any of them at once, the furthest ahead first.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import contextlib
 import logging
 import mmap
@@ -41,7 +40,7 @@ from typing import Callable, Iterable
 import trio
 
 from . import errors
-from .aiostore import AsyncStore, run_disk
+from .aiostore import AsyncStore, run_disk, submit_disk
 from .cache import BlockCache, ObjectVersion
 from .config import MiB, MountConfig
 
@@ -302,17 +301,11 @@ class BufferPool:
             _unmap(buf)
 
 
-_unmapper: concurrent.futures.ThreadPoolExecutor | None = None
-
-
 def _unmap(buf: mmap.mmap) -> None:
-    """Unmap a buffer let go of, in a thread of its own, now. munmap takes the process's memory-map
-    lock for writing, as mmap does (BufferPool.acquire), and waits for whoever holds it: on the event
-    loop that wait stalls every request. Nobody uses the buffer any more; only its memory goes."""
-    global _unmapper
-    if _unmapper is None:
-        _unmapper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ucfs-unmap")
-    _unmapper.submit(buf.close)
+    """Unmap a buffer let go of, in a disk thread, now. munmap takes the process's memory-map lock
+    for writing, as mmap does (BufferPool.acquire), and waits for whoever holds it: on the event loop
+    that wait stalls every request. Nobody uses the buffer any more; only its memory goes."""
+    submit_disk(buf.close)
 
 
 class InFlight:

@@ -77,7 +77,15 @@ class ThreadPool:
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         await trio.lowlevel.checkpoint_if_cancelled()
-        job = (fn, args, trio.lowlevel.current_trio_token(), trio.lowlevel.current_task())
+        self._queue((fn, args, trio.lowlevel.current_trio_token(), trio.lowlevel.current_task()))
+        return await trio.lowlevel.wait_task_rescheduled(_cannot_abort)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run fn(*args) in a pool thread and wait for nothing: for work whose result nobody needs
+        (unmapping a buffer let go), from code that cannot await. An exception it raises is lost."""
+        self._queue((fn, args, None, None))
+
+    def _queue(self, job: tuple) -> None:
         with self._lock:
             self._jobs.put(job)
             self._queued += 1
@@ -89,7 +97,6 @@ class ThreadPool:
             # and the GIL, both scarce exactly when the pool grows. The event loop stalled 120-140 ms
             # there in the bench's 1 GiB write, and every FUSE request with it.
             _thread.start_new_thread(self._work, ())
-        return await trio.lowlevel.wait_task_rescheduled(_cannot_abort)
 
     def _work(self) -> None:
         _name_os_thread(f"ucfs-{self.name}")
@@ -113,6 +120,9 @@ class ThreadPool:
             del fn, args
             with self._lock:
                 self.running -= 1
+            if token is None:  # submitted: nobody waits for the result
+                del result
+                continue
             try:
                 token.run_sync_soon(trio.lowlevel.reschedule, task, result)
             except trio.RunFinishedError:

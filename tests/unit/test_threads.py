@@ -150,3 +150,32 @@ def test_threads_that_log_leave_no_thread_records_behind(tmp_path, monkeypatch):
         handler.close()
     assert "job 31" in (tmp_path / "ucfs.log").read_text()
     assert len(threading._active) <= before  # (threads of earlier tests may have ended meanwhile)
+
+
+def test_submitted_work_runs_in_a_pool_thread_and_the_caller_waits_for_none_of_it():
+    """submit() is for code that cannot await (the read path unmapping a buffer it let go of): it
+    returns at once, the call runs in a named pool thread, and a failing call harms nothing after."""
+    pool = ThreadPool("sub", 2)
+    gate, ran = threading.Event(), []
+
+    def job(n):
+        gate.wait(5)
+        ran.append((n, threading.current_thread() is not threading.main_thread()))
+
+    def boom():
+        raise OSError("lost, as documented")
+
+    pool.submit(boom)
+    for n in range(3):
+        pool.submit(job, n)
+    assert ran == []  # nothing waited for the jobs, which are still held at the gate
+    gate.set()
+    deadline = time.monotonic() + 5
+    while len(ran) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(ran) == [(0, True), (1, True), (2, True)]
+
+    async def after():  # the pool still serves awaited calls
+        return await pool.run(lambda: 42)
+
+    assert trio.run(after) == 42
