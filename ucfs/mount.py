@@ -28,7 +28,7 @@ from typing import Callable
 import pyfuse3
 import trio
 
-from . import control, errors, telemetry
+from . import control, errors, fusewait, telemetry
 from .aiostore import AsyncStore
 from .allocator import HEAP_AFTER_IDLE_S, Allocator
 from .cache import BlockCache, ensure_private_dir
@@ -38,7 +38,7 @@ from .config import KiB, MountConfig, mount_descriptor_path, resolve_mountpoint
 from .core import Core
 from .errors import UcfsError
 from .fs import Operations
-from .passthrough import PAGE_BYTES, Passthrough
+from .passthrough import PAGE_BYTES, Passthrough, fuse_device_fd
 from .store import LocalStore, S3Store, Store
 
 log = logging.getLogger(__name__)
@@ -450,6 +450,7 @@ async def serve(catalog: Catalog, cfg: MountConfig, opts: MountOptions,
             core.invalidate_attrs = _invalidate_attrs
             # Before main(), where the kernel's INIT is answered.
             core.passthrough.install(max_read)
+            _take_queued_requests_at_once(core)  # also before main(), where the workers start
             core.vectored_replies = core.passthrough.hooked
             if not core.passthrough.hooked:
                 max_read = FUSE_DEFAULT_MAX_PAGES * PAGE_BYTES  # what libfuse asks for by itself
@@ -490,6 +491,22 @@ async def serve(catalog: Catalog, cfg: MountConfig, opts: MountOptions,
             nursery.cancel_scope.cancel()
     finally:
         lock.release()
+
+
+# pyfuse3's own, kept: a later mount in this process wraps it again, not the wrapper around it.
+_PYFUSE3_WAIT = getattr(pyfuse3, "_wait_fuse_readable", None)
+
+
+def _take_queued_requests_at_once(core: Core) -> None:
+    """pyfuse3's worker tasks read a request that is already queued without a trip through the
+    event loop's poller first (ucfs.fusewait). Left as it is where that pyfuse3 lacks the wait."""
+    wait = _PYFUSE3_WAIT
+    fd = core.passthrough.fd if core.passthrough.fd is not None else fuse_device_fd()
+    if wait is None or fd is None:
+        log.info("FUSE requests are read as pyfuse3 %s reads them (%s)", getattr(pyfuse3, "__version__", "?"),
+                 "no _wait_fuse_readable" if wait is None else "no /dev/fuse descriptor found")
+        return
+    pyfuse3._wait_fuse_readable = fusewait.ready_first(wait, fd, core.stats)
 
 
 DESCRIPTOR_VERSION = 1

@@ -151,6 +151,19 @@ def test_closing_a_file_read_from_the_store_costs_no_round_trip(mount_factory, s
     assert obj(s3, bucket, f"{base}new.bin") == b"written"
 
 
+def test_files_read_64_at_a_time_match_and_queued_requests_are_taken_at_once(mount, s3, bucket, prefix):
+    """64 readers at once keep requests queued in the kernel: the daemon's worker tasks take those
+    without a trip through the event loop's poller (ucfs.fusewait), and every byte still matches."""
+    files = {f"{prefix}/vol/many/{i:03d}.bin": os.urandom(4096 + 37 * i) for i in range(300)}
+    put_many(s3, bucket, files)
+    v = mount.path() / "many"
+    before = mount.status()["core"].get("fuse_requests_ready", 0)
+    with concurrent.futures.ThreadPoolExecutor(64) as ex:
+        got = dict(ex.map(lambda key: (key, (v / key.rsplit("/", 1)[1]).read_bytes()), files))
+    assert got == files
+    assert mount.status()["core"].get("fuse_requests_ready", 0) > before
+
+
 def test_a_file_opened_as_soon_as_the_mount_is_ready_is_read_in_large_requests(mount_factory, s3, bucket,
                                                                                  prefix):
     """The kernel gives a file the mount's read-ahead when it is opened, for as long as it stays open,
