@@ -8,13 +8,13 @@ already there when a task comes back for it. On the 2-core test VM, a 64-way cop
 150 KiB cost the daemon about 13 % less CPU with the check below, in five alternated pairs (medians
 490 against 565 ticks).
 
-`ready_first` wraps that wait; ucfs.mount puts the wrapper in its place, a module global the
-session loop looks up at every request.
-A task first yields once to the loop's other tasks, so that a stream of queued requests cannot
-starve them. Then it asks the kernel, with a poll() that does not block, whether a request is
-there; if so it returns and the session loop reads it at once. Otherwise it waits as pyfuse3 does,
-and polls again before returning: a task that epoll woke may find the request already taken by
-another task's check. A read of /dev/fuse with nothing queued would block the whole loop.
+`ready_first` wraps that wait, and ucfs.mount puts the wrapper in its place (a module global the
+session loop looks up at every request). A task first yields once to the loop's other tasks, so
+that a stream of queued requests cannot starve them. Then it asks the kernel, with a poll() that
+does not block, whether a request is there; if so it returns and the session loop reads it at
+once. Otherwise it waits as pyfuse3 does, and polls again before returning: a task that epoll woke
+may find the request already taken by another task's check. A read of /dev/fuse with nothing
+queued would block the whole loop.
 """
 
 from __future__ import annotations
@@ -45,4 +45,3 @@ def ready_first(wait: Wait, fd: int, stats: collections.Counter[str]) -> Wait:
                 return False
 
     return wait_ready_first
-

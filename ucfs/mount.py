@@ -501,7 +501,7 @@ def _take_queued_requests_at_once(core: Core) -> None:
     """pyfuse3's worker tasks read a request that is already queued without a trip through the
     event loop's poller first (ucfs.fusewait). Left as it is where that pyfuse3 lacks the wait."""
     wait = _PYFUSE3_WAIT
-    fd = core.passthrough.fd if core.passthrough.fd is not None else fuse_device_fd()
+    fd = fuse_device_fd()
     if wait is None or fd is None:
         log.info("FUSE requests are read as pyfuse3 %s reads them (%s)", getattr(pyfuse3, "__version__", "?"),
                  "no _wait_fuse_readable" if wait is None else "no /dev/fuse descriptor found")
