@@ -329,7 +329,7 @@ def test_removing_files_by_name_costs_no_listing_each(mount_factory, s3, bucket,
         s3.put_object(Bucket=bucket, Key=f"{prefix}/vol/d/f{i:03d}", Body=b"x")
     # A long TTL, so that what the names' lookups know stays fresh through the loop: once it
     # expires, each lookup asks the store again (a HEAD and a one-key LIST), and a loop slowed past
-    # one second by a loaded machine counted those LISTs too (5 in one CI run).
+    # one second by a loaded machine counted those LISTs too (5 in one run of the whole suite).
     m = mount_factory(args=("--metadata-ttl", "60"))
     v = m.path()
     (v / "e").mkdir()
