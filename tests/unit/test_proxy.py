@@ -26,6 +26,15 @@ class _Handler(socketserver.BaseRequestHandler):
     before the client says anything."""
 
     def handle(self) -> None:
+        try:
+            self._serve()
+        except ConnectionError:
+            # Tests reset connections on purpose (through the proxy). Otherwise the reset reaches
+            # this thread after its test has ended, and socketserver prints the traceback into
+            # the output of whichever test runs then.
+            return
+
+    def _serve(self) -> None:
         sock: socket.socket = self.request
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self.server.greet:
