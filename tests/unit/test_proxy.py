@@ -29,9 +29,9 @@ class _Handler(socketserver.BaseRequestHandler):
         try:
             self._serve()
         except ConnectionError:
-            # Tests reset connections on purpose (through the proxy). Otherwise the reset reaches
-            # this thread after its test has ended, and socketserver prints the traceback into
-            # the output of whichever test runs then.
+            # Tests reset connections on purpose (through the proxy): here that is an end, not an
+            # error. socketserver would print its traceback, and a reset that arrives after its
+            # test has ended would land in the output of whichever test runs then.
             return
 
     def _serve(self) -> None:
