@@ -405,10 +405,12 @@ def format_status(mnt: str, st: dict) -> str:
                      f"{st.get('loop_stalls_over_100ms', 0)} over 100 ms")
         samples = st.get("loop_stall_samples") or []
         if samples:
-            # Why the latest long stall happened: our code on the CPU, a busy host, or blocked.
+            # Why the latest long stall happened: our code on the CPU, a busy machine, a busy host
+            # (its hypervisor took the CPUs), or blocked.
             s = samples[-1]
             lines.append(f"    latest: {s['stall_ms']:.0f} ms, loop thread on a CPU {s['on_cpu_ms']:.0f} ms, "
                          f"waiting for a CPU {s['waiting_for_cpu_ms']:.0f} ms, "
+                         f"CPU taken by the host {s.get('cpu_stolen_by_host_ms', 0):.0f} ms, "
                          f"blocked {s['blocked_ms']:.0f} ms"
                          + (f", at {s['stack'][-1]}" if s.get("stack") else ""))
     c = st.get("cache") or {}

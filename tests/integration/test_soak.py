@@ -332,14 +332,17 @@ def test_soak_readers_and_writers_against_a_model(mount_factory, s3, bucket, pre
             assert (m.path() / p).read_bytes() == content(p, final.version, final.size)
 
     # The event loop never stalls for more than 100 ms. The watchdog explains every long stall: how
-    # long the loop thread was on a CPU, runnable but waiting for a CPU, or blocked (the GIL, a
-    # blocking call), and where it was. Waiting for a CPU is the host's doing (these machines are
-    # shared and often run at a load of 5-20 on 2 cores), not the daemon's: that part is left out
-    # of the daemon's share, explicitly, and reported. Everything else counts.
+    # long the loop thread was on a CPU, runnable but waiting for a CPU, stopped with a CPU the
+    # hypervisor took (steal), or blocked (the GIL, a blocking call), and where it was. Waiting for
+    # a CPU is the machine's doing (these machines are shared and often run at a load of 5-20 on 2
+    # cores), and steal is its host's (bursts of 30-50 ms in 100 ms on both CPUs, a few times a
+    # minute, during this soak), not the daemon's: those parts are left out of the daemon's share,
+    # explicitly, and reported. Everything else counts.
     samples = status.get("loop_stall_samples") or []
-    ours = [round(max(0.0, s["stall_ms"] - s["waiting_for_cpu_ms"]), 1) for s in samples]
+    ours = [round(max(0.0, s["stall_ms"] - s["waiting_for_cpu_ms"] - s["cpu_stolen_by_host_ms"]), 1)
+            for s in samples]
     loop = {k: status[k] for k in ("loop_max_stall_ms", "loop_stalls_over_100ms", "gc_max_pause_ms")}
-    loop["longest_stall_not_waiting_for_a_cpu_ms"] = max(ours, default=0.0)
+    loop["daemon_share_max_ms"] = max(ours, default=0.0)
     summary = dict(sorted(stats.counts.items()), seconds=round(soak_s, 1), **loop,
                    cache={k: cache.get(k, 0) for k in ("put_bytes", "retired", "evicted", "used_bytes")})
     print(f"\n[soak] {json.dumps(summary)}")
@@ -347,4 +350,4 @@ def test_soak_readers_and_writers_against_a_model(mount_factory, s3, bucket, pre
     assert status["loop_stalls_over_100ms"] <= len(samples), f"stalls the watchdog did not explain: {loop}"
     assert all(o <= 100 for o in ours), (
         f"the daemon stalled its event loop: {loop}; the stalls (loop thread on a CPU / waiting for a "
-        f"CPU / blocked, and where it was):\n{explained}")
+        f"CPU / CPU taken by the host / blocked, and where it was):\n{explained}")

@@ -32,6 +32,33 @@ def test_a_stall_is_measured_and_its_stack_sampled():
     assert any("_block_the_loop_for" in frame for frame in sample["stack"]), sample
 
 
+def _proc_stat(steal_cpu0: int, steal_cpu1: int) -> bytes:
+    """/proc/stat as the kernel writes it (columns: user nice system idle iowait irq softirq steal ...)."""
+    return (f"cpu  900 0 500 8000 40 0 10 {steal_cpu0 + steal_cpu1} 0 0\n"
+            f"cpu0 450 0 250 4000 20 0 5 {steal_cpu0} 0 0\n"
+            f"cpu1 450 0 250 4000 20 0 5 {steal_cpu1} 0 0\n"
+            "intr 12345 0 1 2\nctxt 999\nbtime 1700000000\n").encode()
+
+
+def test_cpu_time_the_hypervisor_took_is_told_apart_from_blocked_time():
+    """On a virtual machine the host stops our CPUs at times (steal). A thread whose CPU is stopped
+    is neither on a CPU nor waiting for one as its scheduler counters see it: that time read as
+    "blocked", as if the daemon had made a blocking call. The soak test failed on such stalls."""
+    stolen = telemetry._stolen_ms(_proc_stat(100, 200), _proc_stat(112, 203))
+    assert stolen == 12 * 1000 / telemetry._CLOCK_TICKS  # the CPU that lost most, not the sum
+    assert telemetry._stolen_ms(_proc_stat(5, 5), _proc_stat(5, 5)) == 0
+    assert telemetry._stolen_ms(b"", _proc_stat(5, 5)) == 0  # no /proc/stat: nothing known, nothing taken
+
+    dog = telemetry.LoopWatchdog()
+    # A 300 ms stall (350 ms between beats): 60 ms on a CPU, 90 ms waiting for one, 120 ms taken.
+    dog._explain(0.0, 0.300, 60.0, 90.0, 120.0)
+    # Steal beyond what is left of the window cannot all have been the loop's.
+    dog._explain(0.0, 0.300, 60.0, 90.0, 500.0)
+    first, second = dog.statistics()["loop_stall_samples"]
+    assert (first["cpu_stolen_by_host_ms"], first["blocked_ms"]) == (120.0, 80.0), first
+    assert (second["cpu_stolen_by_host_ms"], second["blocked_ms"]) == (200.0, 0.0), second
+
+
 def test_metric_label_values_are_escaped_as_the_text_format_requires():
     """A store's name comes from the catalog and may hold a quote, a backslash or a newline; written
     as is, it broke the line (or the page) and Prometheus rejected the whole scrape."""
