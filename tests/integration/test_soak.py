@@ -165,6 +165,22 @@ def check_read(model: Model, path: str, t0: float, t1: float, data: bytes | None
     return ""
 
 
+def log_lines_of(m, paths: list[str], n: int = 80) -> str:
+    """The daemon's last `n` log lines that name one of `paths` (its debug log says what each lookup,
+    listing, rename and commit decided): what a failure that seldom happens needs to be understood,
+    in its message, since the test's directory may be gone by the time someone looks."""
+    if not paths:
+        return ""
+    names = {f"/{p}" for p in paths}
+    try:
+        lines = m.log_path.read_text(errors="replace").splitlines()
+    except OSError as e:
+        return f"\n(no daemon log: {e})"
+    mine = [line for line in lines if any(x in line for x in names)]
+    return (f"\nthe daemon's last {min(n, len(mine))} log lines about {sorted(set(paths))} (all of it: "
+            f"{m.log_path}):\n" + "\n".join(mine[-n:]))
+
+
 class Stats:
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -185,6 +201,7 @@ def test_soak_readers_and_writers_against_a_model(mount_factory, s3, bucket, pre
     v = m.path()
     model, stats = Model(), Stats()
     failures: list[str] = []
+    failed_paths: list[str] = []  # whose lines of the daemon's (debug) log a failure shows
     # Every file starts with a first version, committed.
     for d in DIRS:
         (v / d).mkdir(parents=True, exist_ok=True)
@@ -201,8 +218,10 @@ def test_soak_readers_and_writers_against_a_model(mount_factory, s3, bucket, pre
     deadline = time.monotonic() + DURATION_S
     stop = threading.Event()
 
-    def fail(msg: str) -> None:
+    def fail(msg: str, path: str | None = None) -> None:
         failures.append(msg)
+        if path is not None:
+            failed_paths.append(path)
         stop.set()
 
     def writer(w: int) -> None:
@@ -276,7 +295,7 @@ def test_soak_readers_and_writers_against_a_model(mount_factory, s3, bucket, pre
             if why:
                 wall = time.strftime("%H:%M:%S", time.localtime(time.time() - (time.monotonic() - t0)))
                 fail(f"reader {r}: {path} read in [{t0:.3f}, {t1:.3f}] (wall {wall}): {why}; "
-                     f"its recent changes: {model.history(path, t0 - 5)}")
+                     f"its recent changes: {model.history(path, t0 - 5)}", path)
                 return
             stats.add("reads" if err is None else f"reads_{errno.errorcode.get(err, err)}")
             stats.add("bytes_read", len(data or b""))
@@ -292,7 +311,7 @@ def test_soak_readers_and_writers_against_a_model(mount_factory, s3, bucket, pre
     stop.set()
     soak_s = time.monotonic() - t_start
     assert not stuck, f"threads still blocked after the soak (deadlock?): {stuck}"
-    assert not failures, "\n".join(failures[:10])
+    assert not failures, "\n".join(failures[:10]) + log_lines_of(m, failed_paths)
 
     # Nothing lost: every file reaches the store as the model says.
     fd = os.open(v, os.O_RDONLY | os.O_DIRECTORY)
