@@ -50,19 +50,13 @@ except (ValueError, OSError, AttributeError):
     _CLOCK_TICKS = 100
 
 
-def _open_schedstat(tid: int) -> int | None:
-    """A descriptor of one of our threads' scheduler counters, kept open and read with pread: the
-    watchdog reads it 20 times a second on the event loop, and a path lookup and a file object each
-    time cost more than the read (and allocate, which under memory pressure can wait for reclaim)."""
+def _open_counters(path: str) -> int | None:
+    """A descriptor of kernel counters (a thread's schedstat, /proc/stat), kept open and read with
+    pread: the watchdog reads them 20 times a second on the event loop, and a path lookup and a file
+    object each time cost more than the read (and allocate, which under memory pressure can wait
+    for reclaim)."""
     try:
-        return os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-
-
-def _open_proc_stat() -> int | None:
-    try:
-        return os.open("/proc/stat", os.O_RDONLY | os.O_CLOEXEC)
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
 
@@ -135,8 +129,8 @@ class LoopWatchdog:
     async def run(self) -> None:
         self._loop_ident = threading.get_ident()
         self._loop_tid = threading.get_native_id()
-        stat_fd = _open_schedstat(self._loop_tid)
-        cpus_fd = _open_proc_stat()
+        stat_fd = _open_counters(f"/proc/self/task/{self._loop_tid}/schedstat")
+        cpus_fd = _open_counters("/proc/stat")
         self._running = True
         threading.Thread(target=self._sample_stalls, name="ucfs-stall-sampler", daemon=True).start()
         try:
