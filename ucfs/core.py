@@ -721,6 +721,7 @@ class Core:
         finally:
             parent.listing_refresh = None
             done.set()
+            self.inodes.sweep(parent)  # children the kernel forgot meanwhile, kept for the overlay
 
     async def _list_all(self, parent: Inode) -> tuple[dict[str, Entry], bool]:
         vol = parent.volume

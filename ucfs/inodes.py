@@ -6,7 +6,8 @@ everything below it without touching the children.
 
 Lifetime follows the kernel: every successful lookup (and each entry of a readdirplus) adds one to
 the inode's lookup count, `forget` subtracts, and an inode is dropped only when the kernel has
-forgotten it, no handle has it open, and no child still points at it.
+forgotten it, no handle has it open, no child still points at it, and no listing of its directory
+is on its way.
 """
 
 from __future__ import annotations
@@ -154,6 +155,9 @@ class InodeTable:
         # tree) does not turn the file's mtime into the store's Last-Modified: rsync -a would send
         # it again, and find -newer take it for changed.
         self.kept_mtimes: OrderedDict[tuple[str, str], tuple[str, int]] = OrderedDict()
+        # Directory inode -> children the kernel forgot while a listing of it was on its way, kept
+        # until it is in (`_maybe_drop`, `sweep`).
+        self._kept_for_listing: dict[int, list[Inode]] = {}
 
     def __len__(self) -> int:
         return len(self._by_ino)
@@ -216,14 +220,28 @@ class InodeTable:
         node.lookups -= n
         self._maybe_drop(node)
 
+    def sweep(self, parent: Inode) -> None:
+        """Drop what a listing of parent kept (see `_maybe_drop`), now that it is no longer on its way."""
+        for node in self._kept_for_listing.pop(parent.ino, ()):
+            self._maybe_drop(node)
+
     def _maybe_drop(self, node: Inode) -> None:
         while (node is not self.root and node.lookups <= 0 and node.opens <= 0 and node.creating <= 0
                and node.children <= 0 and node.staged is None and node.ino in self._by_ino):
-            del self._by_ino[node.ino]
             parent = node.parent
+            named = parent is not None and parent.children_by_name.get(node.name) is node
+            if named and parent.listing_refresh is not None:
+                # A listing of its directory is on its way. What it says of the name is checked
+                # against what this mount knows of the inode (a commit since the LIST was sent):
+                # dropped now, the name would take the listing's word, older than that commit - a
+                # file just committed absent, or its old version back, for a TTL. The listing's
+                # end sweeps it (`sweep`).
+                self._kept_for_listing.setdefault(parent.ino, []).append(node)
+                return
+            del self._by_ino[node.ino]
             if parent is None:
                 return
-            if parent.children_by_name.get(node.name) is node:
+            if named:
                 if node.local_mtime_etag and node.local_mtime_etag == node.etag and node.volume is not None:
                     self._keep_mtime((node.volume.full_name, node.key), (node.etag, node.mtime_ns))
                 del parent.children_by_name[node.name]
