@@ -961,7 +961,8 @@ class Core:
             # leads here until that returns. What the inode stood for is gone (a last close that
             # was never committed, or an object deleted): not an older version of it from the
             # store or the cache. ESTALE makes the kernel look the name up again.
-            raise errors.fs_error(errors.ESTALE, "removed while this open was on its way")
+            raise errors.fs_error(errors.ESTALE, f"{node.mount_path()} (inode {node.ino}): removed while this open "
+                                             "was on its way")
         accmode = flags & os.O_ACCMODE
         writable = accmode != os.O_RDONLY
         if writable or flags & os.O_TRUNC:
@@ -1087,7 +1088,7 @@ class Core:
                 # asked for when it was longer. A short answer inside the size the kernel may still
                 # believe is filled with zeros by the kernel - bytes of no version of the file - so
                 # say that the file changed instead.
-                raise errors.fs_error(errors.ESTALE, "file was truncated while open")
+                raise errors.fs_error(errors.ESTALE, f"{node.mount_path()}: file was truncated while open")
             return data
         if h.version is None:
             # Opened while the file was local only; it has been committed since.
@@ -1121,7 +1122,7 @@ class Core:
         newer readers share: they would read the old version. So the old handle gets ESTALE
         (README "Semantics": Reads)."""
         if node.page_cache_etag is not None and node.page_cache_etag != version.etag:
-            raise errors.fs_error(errors.ESTALE, "file changed since it was opened")
+            raise errors.fs_error(errors.ESTALE, f"{node.mount_path()}: file changed since it was opened")
 
     async def release(self, fh: int) -> None:
         h = self._handles.pop(fh, None)
@@ -1383,7 +1384,8 @@ class Core:
         if node.superseded:
             # The kernel answers an open that fails so by looking the path up again and retrying
             # once: that finds the name's new inode.
-            raise errors.fs_error(errors.ESTALE, "replaced in the store by a newer version")
+            raise errors.fs_error(errors.ESTALE, f"{node.mount_path()} (inode {node.ino}): replaced in the store "
+                                             "by a newer version")
 
     async def _follow_rename(self, node: Inode, new_key: str, new_etag: str) -> None:
         """node's object was copied to `new_key` and its old key is about to go: handles reading it

@@ -61,8 +61,9 @@ def _errno_of(op: str, e: OSError) -> int:
         # The store refused (access denied, its bucket gone, a key it will not take): the caller
         # sees only EACCES or ENXIO, and nothing of ours decided it, so the log says what the store did.
         log.warning("%s: %s from the store: %s", op, os.strerror(err), e)
-    elif err == errors.ENOENT and log.isEnabledFor(logging.DEBUG):
-        log.debug("%s: ENOENT: %s", op, e)  # why something vanished, for races a soak finds
+    elif err in (errors.ENOENT, errors.ESTALE) and log.isEnabledFor(logging.DEBUG):
+        # Why something vanished or changed under a handle, for races a soak finds.
+        log.debug("%s: %s: %s", op, "ENOENT" if err == errors.ENOENT else "ESTALE", e)
     return err
 
 
