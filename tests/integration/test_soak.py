@@ -10,6 +10,11 @@ README says). Anything else - mixed versions, a wrong byte, an old version after
 closed, a lost file - fails the test. At the end every file must be in the store as the model says,
 and again after a remount; the event loop must never have stalled for more than 100 ms.
 
+Meanwhile the kernel is made to drop every dentry and inode nobody uses, about once a second
+(`drop_caches`, as root), as memory pressure on a training host makes it do: it then sends FORGET
+for them, and the daemon lets their inodes go - while listings, commits and opens of the same names
+are on their way.
+
 UCFS_SOAK_S sets the duration (default 150 s, "a few minutes" within the suite's time; CI keeps the
 default; 180 s and more are worth a run after changes to the namespace or commit code).
 """
@@ -300,7 +305,19 @@ def test_soak_readers_and_writers_against_a_model(mount_factory, s3, bucket, pre
             stats.add("reads" if err is None else f"reads_{errno.errorcode.get(err, err)}")
             stats.add("bytes_read", len(data or b""))
 
+    def memory_pressure() -> None:
+        drop = "/proc/sys/vm/drop_caches"
+        while not stop.wait(0.7) and time.monotonic() < deadline:
+            try:
+                with open(drop, "w") as f:
+                    f.write("2")  # unused dentries and inodes (an inode takes its pages along)
+            except OSError as e:
+                stats.add(f"drop_caches_{errno.errorcode.get(e.errno, e.errno)}")  # not root: no pressure
+                return
+            stats.add("drop_caches")
+
     threads = [threading.Thread(target=writer, args=(w,), name=f"writer-{w}") for w in range(WRITERS)]
+    threads.append(threading.Thread(target=memory_pressure, name="memory-pressure"))
     threads += [threading.Thread(target=reader, args=(r,), name=f"reader-{r}") for r in range(READERS)]
     t_start = time.monotonic()
     for t in threads:
