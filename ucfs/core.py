@@ -930,6 +930,8 @@ class Core:
                 # also those the kernel would answer from its dentry (getattr of an inode with
                 # handles open now answers with its attributes).
                 named = parent.children_by_name.get(node.name) is node
+                if named:
+                    self._tell_listing(parent, node.name, None, started)
                 self.inodes.detach(node)
                 node.deleted = True
                 self.retire_version(node.volume, node.key, node.etag)
@@ -948,6 +950,21 @@ class Core:
         # What this HEAD said is newer than any listing or probe sent before it: those must not
         # bring back an older version when they arrive (or are read from a directory handle) later.
         self._changed_at[node] = max(self._changed_at.get(node, float("-inf")), started)
+        self._tell_listing(parent, node.name, Entry(False, info.size, info.etag, info.mtime_ns), started)
+
+    @staticmethod
+    def _tell_listing(parent: Inode, name: str, entry: Entry | None, seen_at: float) -> None:
+        """A HEAD sent at `seen_at` found parent/name so (None: absent). A listing of parent older
+        than that learns it too: it answers lookups of the name until it expires, also once the
+        kernel has forgotten the name's inode, and would bring back the version the HEAD found
+        replaced, or the file it found deleted (its record on the inode goes with the inode)."""
+        listing = parent.listing
+        if listing is None or listing.as_of >= seen_at:
+            return
+        if entry is None:
+            listing.entries.pop(name, None)
+        else:
+            listing.entries[name] = entry
 
     # -- open / read / release ------------------------------------------------------------------
     async def open(self, ino: int, flags: int, caller: Caller | None = None) -> tuple[int, bool]:

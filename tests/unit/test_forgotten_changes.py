@@ -12,10 +12,14 @@ inode, every time.
 
 (A probe of one name cannot be on its way so: a change here to a name starts with a lookup of it,
 which waits for the probe and shares its answer.)
+
+The same holds for what a revalidating HEAD learns of another host's change while the directory's
+listing is still fresh (the last test).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 
 import pytest
@@ -99,6 +103,43 @@ def test_a_listing_sent_before_a_commit_does_not_undo_it_once_the_inode_is_forgo
         assert attrs.size == len(b"committed here"), "a LIST older than the commit brought the old version back"
         fh, _ = await core.open(attrs.ino, os.O_RDONLY)
         assert bytes(await core.read(fh, 0, 100)) == b"committed here"
+        await core.release(fh)
+
+    run_on_core(tmp_path, body)
+
+
+@pytest.mark.parametrize("change", ["overwritten", "deleted"])
+def test_what_a_head_learned_outlives_the_inode_when_the_listing_is_older(tmp_path, change):
+    """Another host changed a file. A revalidating HEAD (the file's attributes expired first) saw
+    it, but the directory's listing, fresh for a while yet, still said what the file was before:
+    once the kernel forgot the inode, the next lookup took the listing's word and opened the old
+    version (whose GETs then failed with ESTALE), or the deleted file. The random-ops test saw the
+    first under `drop_caches`."""
+    async def body(core, committer, vol, store):
+        parent = core.node(vol)
+        store.put_bytes("bucket", "pfx/f.bin", b"the version listed")
+        await core.refresh_listing(parent)
+        attrs = await core.lookup(vol, "f.bin")
+        if change == "overwritten":
+            store.put_bytes("bucket", "pfx/f.bin", b"another host's newer version")
+        else:
+            store.delete("bucket", "pfx/f.bin")
+        node = core.node(attrs.ino)
+        node.attr_expires = 0.0  # its attributes expire before the listing does
+        try:
+            await core.getattr(attrs.ino)  # a stat: HEAD
+        except OSError as e:
+            assert change == "deleted" and e.errno == errno.ENOENT
+        _forget(core, attrs.ino)
+        assert parent.listing.fresh(core.cfg.metadata_ttl_s)
+        again = await core.lookup(vol, "f.bin")
+        if change == "deleted":
+            assert again is None, "a file found deleted came back from an older listing"
+            return
+        assert again is not None and again.size == len(b"another host's newer version"), \
+            "an older listing brought the old version back"
+        fh, _ = await core.open(again.ino, os.O_RDONLY)
+        assert bytes(await core.read(fh, 0, 100)) == b"another host's newer version"
         await core.release(fh)
 
     run_on_core(tmp_path, body)
