@@ -2,8 +2,8 @@
 
 One process opens, writes, truncates, maps, reads, fsyncs, renames and unlinks a handful of files,
 and renames their directory back and forth, in a mix no hand-written test would choose; another
-writer replaces and deletes files in the store, and the daemon is killed and started again now and
-then. The model is what a local file system would hold, with the allowances the README makes for a
+writer replaces and deletes files in the store, the kernel is made to forget every unused inode
+(`drop_caches`, as root), and the daemon is killed and started again now and then. The model is what a local file system would hold, with the allowances the README makes for a
 handle that was open when someone else changed the file: it may fail with ESTALE, after a prefix of
 the file at most, or go on reading the version it had (the file as of its open, or of its own last
 change). Another writer's changes are seen within the metadata TTL. Every fsync is checked in the
@@ -49,7 +49,7 @@ OPEN_FLAGS = {
 # a restart) seldom.
 OPS = {"open": 8, "write": 10, "big_write": 2, "truncate": 4, "truncate_path": 2, "read": 8, "mmap": 2,
        "close": 7, "fsync": 3, "rename": 3, "unlink": 2, "read_whole": 5, "remote_write": 1, "crash": 1,
-       "rename_dir": 3, "remote_delete": 1, "listdir": 3}
+       "rename_dir": 3, "remote_delete": 1, "listdir": 3, "forget": 2}
 
 
 @dataclass(eq=False)
@@ -350,6 +350,16 @@ class Run:
         self.m.kill()
         self.m.start()
         self.note("kill -9, mount again")
+
+    def forget(self) -> None:
+        """The kernel forgets every inode nobody holds (it sends FORGET), as memory pressure makes it
+        do: names are then looked up anew, from listings and HEADs the daemon may have had before."""
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("2")
+        except PermissionError:
+            return  # not root: the kernel forgets only what it would have anyway
+        self.note("drop_caches")
 
     def rename_dir(self) -> None:
         new = "e" if self.dir == "d" else "d"
