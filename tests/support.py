@@ -254,6 +254,21 @@ def sync_dir(path) -> None:
         os.close(fd)
 
 
+def forget_unused_inodes(*, sync: bool = False) -> bool:
+    """Make the kernel drop every dentry and inode nobody holds, as memory pressure does on a busy
+    host: it sends FUSE FORGET for them (`drop_caches` 2; an inode takes its pages along). `sync`
+    writes dirty pages back first, so that inodes holding some can go too. False where this process
+    may not (not root): nothing was dropped."""
+    if sync:
+        os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("2")
+    except OSError:
+        return False
+    return True
+
+
 def fsync_path(path) -> None:
     """fsync a file by path: returns when its content is committed to the store."""
     with open(path, "rb") as f:

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.support import fsync_path, keys, obj, sync_dir, wait_until
+from tests.support import forget_unused_inodes, fsync_path, keys, obj, sync_dir, wait_until
 
 libc = ctypes.CDLL(None, use_errno=True)
 AT_FDCWD = -100
@@ -390,12 +390,6 @@ def test_what_the_store_cannot_keep_is_eopnotsupp_and_the_usual_fallbacks_work(m
     assert obj(s3, bucket, f"{prefix}/vol/f.bin") == want
 
 
-def _forget_inodes() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("2")  # dentries and inodes: the kernel sends FORGET for every one nobody holds
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping the kernel's inodes needs root")
 def test_every_directory_lists_dot_and_dotdot_and_they_hold_no_inode(mount, s3, bucket, prefix):
     """`ls -a` showed neither "." nor ".." anywhere in the mount, as on no local file system. They
@@ -417,6 +411,6 @@ def test_every_directory_lists_dot_and_dotdot_and_they_hold_no_inode(mount, s3, 
     # listed many times go too, as those never listed do.
     for _ in range(20):
         subprocess.run(["ls", "-a", str(v / "a"), str(v / "a" / "b")], capture_output=True, check=True)
-    _forget_inodes()
+    assert forget_unused_inodes(sync=True)
     # The root stays (the mount holds it); counted references would keep a, b and those above them.
     assert wait_until(lambda: mount.status()["inodes"] <= 2, timeout=10), mount.status()["inodes"]

@@ -3,12 +3,13 @@
 One process opens, writes, truncates, maps, reads, fsyncs, renames and unlinks a handful of files,
 and renames their directory back and forth, in a mix no hand-written test would choose; another
 writer replaces and deletes files in the store, the kernel is made to forget every unused inode
-(`drop_caches`, as root), and the daemon is killed and started again now and then. The model is what a local file system would hold, with the allowances the README makes for a
-handle that was open when someone else changed the file: it may fail with ESTALE, after a prefix of
-the file at most, or go on reading the version it had (the file as of its open, or of its own last
-change). Another writer's changes are seen within the metadata TTL. Every fsync is checked in the
-store, and listings now and then; at the end the listing, every file, the store, and a remount must
-all agree with the model.
+(`drop_caches`, as root), and the daemon is killed and started again now and then. The model is
+what a local file system would hold, with the allowances the README makes for a handle that was
+open when someone else changed the file: it may fail with ESTALE, after a prefix of the file at
+most, or go on reading the version it had (the file as of its open, or of its own last change).
+Another writer's changes are seen within the metadata TTL. Every fsync is checked in the store, and
+listings now and then; at the end the listing, every file, the store, and a remount must all agree
+with the model.
 
 Runs like this found four bugs the rest of the suite had missed: a truncating open beside a
 passthrough writer kept the writer's bytes, fsync through a handle opened before a change did not
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import obj, wait_until
+from tests.support import forget_unused_inodes, obj, wait_until
 
 MiB = 1 << 20
 STEPS = int(os.environ.get("UCFS_RANDOM_OPS_STEPS", "600"))
@@ -354,12 +355,8 @@ class Run:
     def forget(self) -> None:
         """The kernel forgets every inode nobody holds (it sends FORGET), as memory pressure makes it
         do: names are then looked up anew, from listings and HEADs the daemon may have had before."""
-        try:
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("2")
-        except PermissionError:
-            return  # not root: the kernel forgets only what it would have anyway
-        self.note("drop_caches")
+        if forget_unused_inodes():  # (not root: the kernel forgets only what it would have anyway)
+            self.note("drop_caches")
 
     def rename_dir(self) -> None:
         new = "e" if self.dir == "d" else "d"

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from tests.support import fsync_path, obj, sync_dir, wait_until
+from tests.support import forget_unused_inodes, fsync_path, obj, sync_dir, wait_until
 
 # Timestamps the kernel sets to "now" may trail time.time_ns() by up to a few clock ticks.
 COARSE_CLOCK_SLACK_NS = 20_000_000
@@ -147,14 +147,6 @@ def test_touch_of_a_committed_file_keeps_the_time_it_set(mount, s3, bucket, pref
     assert os.stat(v / "theirs.txt").st_mtime_ns == int(last_modified.timestamp()) * 10**9
 
 
-def _forget_inodes() -> None:
-    """Make the kernel forget every inode nobody holds (it sends FUSE FORGET), as memory pressure
-    does on a busy host: dentries and inodes only, no page cache."""
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("2")
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping the kernel's inodes needs root")
 def test_a_file_written_here_keeps_its_times_after_the_kernel_forgets_it(mount):
     """The local mtime of a version committed here (what cp -p, rsync -a or tar x set) lived only on
@@ -173,7 +165,7 @@ def test_a_file_written_here_keeps_its_times_after_the_kernel_forgets_it(mount):
         fsync_path(d / name)
     inos = {name: os.stat(d / name).st_ino for name in (*want, "now.txt")}
     time.sleep(1.5)  # the listing that describes them is the store's now
-    _forget_inodes()
+    assert forget_unused_inodes(sync=True)
     # A new inode number says the daemon made the inode anew: the old one was forgotten.
     assert wait_until(lambda: all(os.stat(d / n).st_ino != i for n, i in inos.items()), 10), \
         "the kernel did not forget the inodes"
