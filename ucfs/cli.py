@@ -406,11 +406,13 @@ def format_status(mnt: str, st: dict) -> str:
         samples = st.get("loop_stall_samples") or []
         if samples:
             # Why the latest long stall happened: our code on the CPU, a busy machine, a busy host
-            # (its hypervisor took the CPUs), or blocked.
+            # (its hypervisor took the CPUs), blocked while the machine was busy, or blocked.
             s = samples[-1]
             lines.append(f"    latest: {s['stall_ms']:.0f} ms, loop thread on a CPU {s['on_cpu_ms']:.0f} ms, "
                          f"waiting for a CPU {s['waiting_for_cpu_ms']:.0f} ms, "
                          f"CPU taken by the host {s.get('cpu_stolen_by_host_ms', 0):.0f} ms, "
+                         f"blocked while other threads waited for a CPU "
+                         f"{s.get('blocked_while_others_waited_for_cpu_ms', 0):.0f} ms, "
                          f"blocked {s['blocked_ms']:.0f} ms"
                          + (f", at {s['stack'][-1]}" if s.get("stack") else ""))
     c = st.get("cache") or {}

@@ -3,11 +3,15 @@
 - `LoopWatchdog` wakes every 50 ms and records how late it woke. A late wake-up means something
   blocked the event loop (which must never happen: every FUSE request waits behind it), so the
   largest stall is reported and long ones are logged. Each long stall is explained: a helper thread
-  samples the loop thread's stack while the stall is going on, and the kernel's scheduler counters
-  say how much of it the loop thread spent running, waiting for a CPU (a busy machine), or neither.
+  samples the loop thread's stack (and which of the daemon's threads were running, or in a blocking
+  call) while the stall is going on, and the kernel's scheduler counters say how much of it the
+  loop thread spent running, waiting for a CPU (a busy machine), or neither.
   Of the rest, what the hypervisor took from the machine's CPUs meanwhile (steal, in /proc/stat)
   is told apart: a virtual CPU stopped by its host stops whichever of our threads it was running,
-  the loop or the one holding the GIL. What is left is blocked: the GIL, or a blocking call.
+  the loop or the one holding the GIL. So is the time the loop thread was blocked while some other
+  thread on the machine waited for a CPU (the kernel's CPU pressure, /proc/pressure/cpu): the
+  thread holding the GIL the loop waits for may have been that one. What is left is blocked: the
+  GIL held by a thread that was running, or a blocking call.
 - `RateSampler` turns the byte counters of the stores into recent throughput (a 10 s window).
 - `serve_metrics` answers `GET /metrics` on a loopback port in Prometheus's text format, built from the
   same figures `ucfs status` prints.
@@ -72,6 +76,19 @@ def _proc_stat(fd: int | None) -> bytes:
         return b""
 
 
+def _cpu_pressure_us(fd: int | None) -> int | None:
+    """The kernel's running total of microseconds in which some runnable thread on this machine
+    waited for a CPU ("some ... total=" of /proc/pressure/cpu), or None where there is no such file
+    (a kernel without PSI)."""
+    if fd is None:
+        return None
+    try:
+        some = os.pread(fd, 256, 0).split(b"\n", 1)[0]
+        return int(some.rpartition(b"total=")[2])
+    except (OSError, ValueError):
+        return None
+
+
 def _stolen_ms(before: bytes, after: bytes) -> float:
     """The most time the hypervisor took from any one CPU between two readings of /proc/stat (its
     "steal" column, in clock ticks). Counted in whole ticks (10 ms), so it says little below that."""
@@ -103,6 +120,37 @@ def _schedstat(fd: int | None) -> tuple[int, int]:
         return 0, 0
 
 
+def _thread_states(loop_tid: int | None) -> dict:
+    """The loop thread's scheduler state at this moment ("R" running or waiting for a CPU, "S"
+    asleep, "D" in uninterruptible I/O), the names of the daemon's other threads that were not
+    asleep, by state, and how many were. Taken once per long stall, by the sampler thread (which
+    holds the GIL then, so threads waiting for it show as asleep): a loop thread in "D" was in a
+    blocking call; threads in "R" were running without the GIL (receiving, copying) or waiting for a
+    CPU."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict = {"loop": "?", "asleep": 0}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                head, _, tail = f.read().rpartition(b")")
+            state = tail.split()[0].decode()
+            comm = head.partition(b"(")[2].decode(errors="replace")
+        except (OSError, IndexError, UnicodeDecodeError):
+            continue
+        if int(tid) == loop_tid:
+            out["loop"] = state
+        elif state == "S":
+            out["asleep"] += 1
+        else:
+            # Pool threads name their OS thread (comm); others are known by their Python name.
+            out.setdefault(state, []).append(names.get(int(tid), comm))
+    return out
+
+
 class LoopWatchdog:
     def __init__(self) -> None:
         self.max_stall_s = 0.0
@@ -117,7 +165,8 @@ class LoopWatchdog:
         self._beat = time.monotonic()  # when the loop last went to sleep in `run`
         self._loop_ident: int | None = None
         self._loop_tid: int | None = None
-        self._sample: tuple[float, list[str]] | None = None  # (beat, stack) taken during a stall
+        # (beat, stack, the threads' states) taken during a stall
+        self._sample: tuple[float, list[str], dict] | None = None
         self._running = False
 
     def _gc_callback(self, phase: str, info: dict) -> None:
@@ -131,6 +180,7 @@ class LoopWatchdog:
         self._loop_tid = threading.get_native_id()
         stat_fd = _open_counters(f"/proc/self/task/{self._loop_tid}/schedstat")
         cpus_fd = _open_counters("/proc/stat")
+        pressure_fd = _open_counters("/proc/pressure/cpu")
         self._running = True
         threading.Thread(target=self._sample_stalls, name="ucfs-stall-sampler", daemon=True).start()
         try:
@@ -139,6 +189,7 @@ class LoopWatchdog:
                 self._beat = t0
                 cpu0, wait0 = _schedstat(stat_fd)
                 cpus0 = _proc_stat(cpus_fd)
+                pressure0 = _cpu_pressure_us(pressure_fd)
                 await trio.sleep(WATCHDOG_PERIOD_S)
                 stall = time.monotonic() - t0 - WATCHDOG_PERIOD_S
                 if stall > self.max_stall_s:
@@ -146,31 +197,45 @@ class LoopWatchdog:
                 if stall > STALL_LOG_S:
                     self.stalls_over_100ms += 1
                     cpu1, wait1 = _schedstat(stat_fd)
+                    pressure1 = _cpu_pressure_us(pressure_fd)
+                    pressure_ms = (pressure1 - pressure0) / 1e3 if None not in (pressure0, pressure1) else 0.0
                     self._explain(t0, stall, (cpu1 - cpu0) / 1e6, (wait1 - wait0) / 1e6,
-                                  _stolen_ms(cpus0, _proc_stat(cpus_fd)))
+                                  _stolen_ms(cpus0, _proc_stat(cpus_fd)), pressure_ms)
         finally:
             self._running = False
-            for fd in (stat_fd, cpus_fd):
+            for fd in (stat_fd, cpus_fd, pressure_fd):
                 if fd is not None:
                     os.close(fd)
 
     def _explain(self, beat: float, stall_s: float, on_cpu_ms: float, cpu_wait_ms: float,
-                 stolen_ms: float) -> None:
-        """Log a long stall with what the loop thread was doing meanwhile."""
+                 stolen_ms: float, pressure_ms: float = 0.0) -> None:
+        """Log a long stall with what the loop thread was doing meanwhile. `pressure_ms`: how long,
+        in the same window, some thread on the machine waited for a CPU."""
         window_ms = (stall_s + WATCHDOG_PERIOD_S) * 1000
         rest = max(0.0, window_ms - on_cpu_ms - cpu_wait_ms)
         # An estimate: the steal of the CPU that lost most, up to what the window leaves. The loop
         # thread (or the thread holding the GIL it waited for) ran on one CPU at a time, and which
         # one is not known.
         stolen_ms = min(rest, stolen_ms)
-        stack = self._sample[1] if self._sample is not None and self._sample[0] == beat else []
+        # Blocked while another thread waited for a CPU. The loop's own waits count in the
+        # pressure too, and never overlap its blocked time, so they are taken off first. This is
+        # the most the GIL holder's waits can have cost the loop, not a measure of them: which thread
+        # held the GIL is not known. A blocking call made while the machine's CPUs were full lands
+        # here too, so a stall under that load says less about the daemon than one without it.
+        others_ms = min(rest - stolen_ms, max(0.0, pressure_ms - cpu_wait_ms))
+        ours = self._sample is not None and self._sample[0] == beat
+        stack = self._sample[1] if ours else []
+        threads = self._sample[2] if ours else {}
         sample = {"stall_ms": round(stall_s * 1000, 1), "on_cpu_ms": round(on_cpu_ms, 1),
                   "waiting_for_cpu_ms": round(cpu_wait_ms, 1), "cpu_stolen_by_host_ms": round(stolen_ms, 1),
-                  "blocked_ms": round(rest - stolen_ms, 1), "stack": stack, "at": time.time()}
+                  "blocked_while_others_waited_for_cpu_ms": round(others_ms, 1),
+                  "blocked_ms": round(rest - stolen_ms - others_ms, 1), "stack": stack, "threads": threads,
+                  "at": time.time()}
         self.stall_samples.append(sample)
         log.warning("event loop stalled for %.0f ms (loop thread on a CPU %.0f ms, waiting for a CPU "
-                    "%.0f ms, CPU taken by the host %.0f ms, blocked %.0f ms)%s", sample["stall_ms"], on_cpu_ms,
-                    cpu_wait_ms, stolen_ms, sample["blocked_ms"],
+                    "%.0f ms, CPU taken by the host %.0f ms, blocked while other threads waited for a "
+                    "CPU %.0f ms, blocked %.0f ms)%s", sample["stall_ms"], on_cpu_ms,
+                    cpu_wait_ms, stolen_ms, others_ms, sample["blocked_ms"],
                     "; it was at:\n  " + "\n  ".join(stack) if stack else "")
 
     def _sample_stalls(self) -> None:
@@ -189,7 +254,7 @@ class LoopWatchdog:
                 continue
             stack = [f"{_short(fs.filename)}:{fs.lineno} {fs.name}"
                      for fs in traceback.extract_stack(frame)[-SAMPLE_FRAMES:]]
-            self._sample = (beat, stack)
+            self._sample = (beat, stack, _thread_states(self._loop_tid))
 
     def statistics(self) -> dict:
         return {"loop_max_stall_ms": round(self.max_stall_s * 1000, 1),

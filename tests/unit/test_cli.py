@@ -111,8 +111,9 @@ def test_status_names_the_store_requests_in_words():
 def test_status_says_what_the_latest_long_stall_was_made_of():
     st = {"loop_max_stall_ms": 316.1, "loop_stalls_over_100ms": 1,
           "loop_stall_samples": [{"stall_ms": 316.1, "on_cpu_ms": 20.0, "waiting_for_cpu_ms": 185.1,
-                                  "cpu_stolen_by_host_ms": 110.0, "blocked_ms": 51.0,
-                                  "stack": ["ucfs/fs.py:147 readdir"], "at": 0.0}]}
+                                  "cpu_stolen_by_host_ms": 60.0, "blocked_while_others_waited_for_cpu_ms": 50.0,
+                                  "blocked_ms": 51.0, "stack": ["ucfs/fs.py:147 readdir"], "at": 0.0}]}
     lines = cli.format_status("/Volumes", st).splitlines()
     assert ("    latest: 316 ms, loop thread on a CPU 20 ms, waiting for a CPU 185 ms, CPU taken by the host "
-            "110 ms, blocked 51 ms, at ucfs/fs.py:147 readdir") in lines, lines
+            "60 ms, blocked while other threads waited for a CPU 50 ms, blocked 51 ms, "
+            "at ucfs/fs.py:147 readdir") in lines, lines

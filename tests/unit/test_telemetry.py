@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import trio
@@ -30,6 +31,7 @@ def test_a_stall_is_measured_and_its_stack_sampled():
     assert stats["loop_stalls_over_100ms"] == 1, stats
     (sample,) = stats["loop_stall_samples"]
     assert any("_block_the_loop_for" in frame for frame in sample["stack"]), sample
+    assert sample["threads"]["loop"] == "S", sample  # asleep in the call, not running
 
 
 def _proc_stat(steal_cpu0: int, steal_cpu1: int) -> bytes:
@@ -57,6 +59,37 @@ def test_cpu_time_the_hypervisor_took_is_told_apart_from_blocked_time():
     first, second = dog.statistics()["loop_stall_samples"]
     assert (first["cpu_stolen_by_host_ms"], first["blocked_ms"]) == (120.0, 80.0), first
     assert (second["cpu_stolen_by_host_ms"], second["blocked_ms"]) == (200.0, 0.0), second
+
+
+def test_blocked_time_while_other_threads_waited_for_a_cpu_is_told_apart(tmp_path):
+    """The loop thread waiting for the GIL sleeps, so its counters call that time blocked. When the
+    thread holding the GIL is itself runnable but without a CPU (a machine at a load of 10-20 on 2
+    cores), the loop waits as long as it does: the machine's doing, not a blocking call. The soak
+    failed in CI on such a stall (on a CPU 112 ms, waiting 117, blocked 72 at a line that cannot
+    block). The kernel's CPU pressure (PSI) says how long some thread waited for a CPU; the most of
+    the blocked time that can be is told apart, the rest stays blocked."""
+    psi = tmp_path / "cpu"
+    psi.write_text("some avg10=61.20 avg60=55.00 avg300=40.10 total=655858880\n"
+                   "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
+    fd = telemetry._open_counters(str(psi))
+    try:
+        assert telemetry._cpu_pressure_us(fd) == 655858880
+    finally:
+        os.close(fd)
+    assert telemetry._cpu_pressure_us(None) is None  # a kernel without PSI: nothing is told apart
+
+    dog = telemetry.LoopWatchdog()
+    # A 300 ms stall (350 ms between beats): 60 ms on a CPU, 90 ms waiting for one, 20 ms taken by
+    # the host, 180 ms blocked, and someone waited for a CPU 250 ms of the window: 90 of those were
+    # the loop's own wait, so at most 160 were spent by others while the loop was blocked.
+    dog._explain(0.0, 0.300, 60.0, 90.0, 20.0, 250.0)
+    # Pressure beyond the loop's blocked time cannot all have been while it was blocked.
+    dog._explain(0.0, 0.300, 60.0, 90.0, 20.0, 900.0)
+    # No pressure (a quiet machine): a blocked loop is blocked.
+    dog._explain(0.0, 0.300, 60.0, 90.0, 20.0, 0.0)
+    split = [(s["cpu_stolen_by_host_ms"], s["blocked_while_others_waited_for_cpu_ms"], s["blocked_ms"])
+             for s in dog.statistics()["loop_stall_samples"]]
+    assert split == [(20.0, 160.0, 20.0), (20.0, 180.0, 0.0), (20.0, 0.0, 180.0)], split
 
 
 def test_metric_label_values_are_escaped_as_the_text_format_requires():
