@@ -2,8 +2,8 @@
 
 One process opens, writes, truncates, maps, reads, fsyncs, renames and unlinks a handful of files,
 and renames their directory back and forth, in a mix no hand-written test would choose; another
-writer replaces and deletes files in the store, the kernel is made to forget every unused inode
-(`drop_caches`, as root), and the daemon is killed and started again now and then. The model is
+writer replaces and deletes files in the store, the kernel is made to forget every unused inode of
+the mount (a remount, as root), and the daemon is killed and started again now and then. The model is
 what a local file system would hold, with the allowances the README makes for a handle that was
 open when someone else changed the file: it may fail with ESTALE, after a prefix of the file at
 most, or go on reading the version it had (the file as of its open, or of its own last change).
@@ -355,8 +355,8 @@ class Run:
     def forget(self) -> None:
         """The kernel forgets every inode nobody holds (it sends FORGET), as memory pressure makes it
         do: names are then looked up anew, from listings and HEADs the daemon may have had before."""
-        if forget_unused_inodes():  # (not root: the kernel forgets only what it would have anyway)
-            self.note("drop_caches")
+        if forget_unused_inodes(self.m.mountpoint):  # (not root: the kernel forgets only what it would have anyway)
+            self.note("forget")
 
     def rename_dir(self) -> None:
         new = "e" if self.dir == "d" else "d"

@@ -165,7 +165,7 @@ def test_a_file_written_here_keeps_its_times_after_the_kernel_forgets_it(mount):
         fsync_path(d / name)
     inos = {name: os.stat(d / name).st_ino for name in (*want, "now.txt")}
     time.sleep(1.5)  # the listing that describes them is the store's now
-    assert forget_unused_inodes(sync=True)
+    assert forget_unused_inodes(mount.mountpoint, sync=True)
     # A new inode number says the daemon made the inode anew: the old one was forgotten.
     assert wait_until(lambda: all(os.stat(d / n).st_ino != i for n, i in inos.items()), 10), \
         "the kernel did not forget the inodes"
