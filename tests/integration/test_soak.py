@@ -365,13 +365,19 @@ def test_soak_readers_and_writers_against_a_model(mount_factory, s3, bucket, pre
 
     # The event loop never stalls for more than 100 ms. The watchdog explains every long stall: how
     # long the loop thread was on a CPU, runnable but waiting for a CPU, stopped with a CPU the
-    # hypervisor took (steal), or blocked (the GIL, a blocking call), and where it was. Waiting for
-    # a CPU is the machine's doing (these machines are shared and often run at a load of 5-20 on 2
-    # cores), and steal is its host's (bursts of 30-50 ms in 100 ms on both CPUs, a few times a
-    # minute, during this soak), not the daemon's: those parts are left out of the daemon's share,
-    # explicitly, and reported. Everything else counts.
+    # hypervisor took (steal), blocked while other threads on the machine waited for a CPU, or
+    # blocked (the GIL, a blocking call), and where it was. Waiting for a CPU is the machine's doing
+    # (these machines are shared and often run at a load of 5-20 on 2 cores), steal is its host's
+    # (bursts of 30-50 ms in 100 ms on both CPUs, a few times a minute, during this soak), and so is
+    # the loop waiting for the GIL while the thread holding it waited for a CPU: the watchdog cannot
+    # tell which thread held it, so it leaves out as much blocked time as other threads spent waiting
+    # for a CPU then (the kernel's CPU pressure), at most. CI failed on a stall with 72 ms blocked at
+    # a line that cannot block, beside a pytest process running the rest of the suite. Those parts
+    # are left out of the daemon's share, explicitly, and reported. Everything else counts; on a
+    # quiet machine, all of the blocked time does.
     samples = status.get("loop_stall_samples") or []
-    ours = [round(max(0.0, s["stall_ms"] - s["waiting_for_cpu_ms"] - s["cpu_stolen_by_host_ms"]), 1)
+    ours = [round(max(0.0, s["stall_ms"] - s["waiting_for_cpu_ms"] - s["cpu_stolen_by_host_ms"]
+                      - s["blocked_while_others_waited_for_cpu_ms"]), 1)
             for s in samples]
     loop = {k: status[k] for k in ("loop_max_stall_ms", "loop_stalls_over_100ms", "gc_max_pause_ms")}
     loop["daemon_share_max_ms"] = max(ours, default=0.0)
@@ -382,4 +388,5 @@ def test_soak_readers_and_writers_against_a_model(mount_factory, s3, bucket, pre
     assert status["loop_stalls_over_100ms"] <= len(samples), f"stalls the watchdog did not explain: {loop}"
     assert all(o <= 100 for o in ours), (
         f"the daemon stalled its event loop: {loop}; the stalls (loop thread on a CPU / waiting for a "
-        f"CPU / CPU taken by the host / blocked, and where it was):\n{explained}")
+        f"CPU / CPU taken by the host / blocked while others waited for a CPU / blocked, where it was, "
+        f"and the daemon's threads by state then):\n{explained}")
