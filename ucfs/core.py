@@ -261,7 +261,8 @@ class Core:
             o.answered += 1
 
     def _knows_child(self, parent: Inode, name: str) -> bool:
-        return name in parent.children_by_name or parent.listing is not None or name in parent.absent
+        return (name in parent.children_by_name or parent.listing is not None or name in parent.absent
+                or self.inodes.kept_entry(parent, name) is not None)
 
     def _stale_child(self, parent: Inode, name: str) -> Inode | None:
         """parent/name as last known: its inode, its entry in the last listing, or absent."""
@@ -272,6 +273,10 @@ class Core:
             return node
         listing = parent.listing
         if listing is None:
+            # Its inode was forgotten, not what it was; unless a probe found it gone since.
+            kept = self.inodes.kept_entry(parent, name)
+            if kept is not None and parent.absent.get(name, -math.inf) < kept[1]:
+                return self._apply_entry(parent, name, *kept)
             return None  # known absent (Inode.absent)
         entry = listing.entries.get(name)
         if entry is None:

@@ -25,6 +25,13 @@ ROOT_INO = 1
 # InodeTable.kept_mtimes). About 300 bytes each: at most ~30 MB for the last 100,000 such files;
 # an older one shows its Last-Modified again when it is looked up.
 KEPT_MTIMES_MAX = 100_000
+# Listings of directories whose inodes the kernel forgot (see InodeTable.kept_listings), kept up to
+# this many names in all (about 200 bytes each: ~20 MB); the oldest kept go first.
+KEPT_LISTING_NAMES_MAX = 100_000
+# What was known of files and directories whose inodes the kernel forgot where their directory's
+# listing does not say it (found by a lookup's probe): the last this many (see
+# InodeTable.kept_entries, about 250 bytes each).
+KEPT_ENTRIES_MAX = 50_000
 
 
 class Kind(enum.IntEnum):
@@ -65,13 +72,16 @@ class Listing:
     asked_at: float | None = None  # when the LIST was sent: what it says is true as of then
     lookups: int = 0  # lookups it answered (core.Core._maybe_refresh_ahead)
     refreshed_ahead: bool = False  # its replacement was asked for before it expired
+    # Taken back from a forgotten inode of the directory (InodeTable.kept_listings): never fresh,
+    # only what was known should the store not answer.
+    kept: bool = False
 
     @property
     def as_of(self) -> float:
         return self.fetched_at if self.asked_at is None else self.asked_at
 
     def fresh(self, ttl_s: float) -> bool:
-        return time.monotonic() - self.fetched_at <= ttl_s
+        return not self.kept and time.monotonic() - self.fetched_at <= ttl_s
 
 
 @dataclass(eq=False)
@@ -155,6 +165,19 @@ class InodeTable:
         # tree) does not turn the file's mtime into the store's Last-Modified: rsync -a would send
         # it again, and find -newer take it for changed.
         self.kept_mtimes: OrderedDict[tuple[str, str], tuple[str, int]] = OrderedDict()
+        # (volume, key prefix) -> the last listing of a directory whose inode was dropped, and how
+        # many names it had then. The next inode of that directory takes it back as an expired
+        # listing: a lookup lists again, or probes, as without it - but while the store cannot be
+        # reached it is what was known (core.Core._stale_child). Without it, a kernel's forget
+        # (memory pressure) during an outage left the directory nothing to answer from, and every
+        # cached file below it failed with EIO.
+        self.kept_listings: OrderedDict[tuple[str, str], tuple[Listing, int]] = OrderedDict()
+        self._kept_listing_names = 0
+        # (volume, key) -> (entry, as of when) of a file or directory whose inode was dropped, where
+        # no listing of its directory says it: a name looked up by path is probed, not listed. Only
+        # while the store cannot be reached is this an answer (core.Core._stale_child); a new
+        # inode of the name makes it moot.
+        self.kept_entries: OrderedDict[tuple[str, str], tuple[Entry, float]] = OrderedDict()
         # Directory inode -> children the kernel forgot while a listing of it was on its way, kept
         # until it is in (`_maybe_drop`, `sweep`).
         self._kept_for_listing: dict[int, list[Inode]] = {}
@@ -181,11 +204,19 @@ class InodeTable:
         parent.children_by_name[name] = node
         parent.absent.pop(name, None)
         parent.children += 1
+        if volume is not None and self.kept_entries:
+            self.kept_entries.pop((volume.full_name, node.key), None)
         if kind is Kind.FILE and volume is not None and self.kept_mtimes:
             kept = self.kept_mtimes.pop((volume.full_name, node.key), None)
             if kept is not None:
                 # Whoever describes the node next keeps this mtime only for that same version.
                 node.local_mtime_etag, node.mtime_ns = kept
+        elif kind in (Kind.VOLUME, Kind.DIR) and volume is not None and self.kept_listings:
+            kept_listing = self.kept_listings.pop((volume.full_name, node.dir_prefix), None)
+            if kept_listing is not None:
+                node.listing, names = kept_listing
+                node.listing.kept = True
+                self._kept_listing_names -= names
         return node
 
     def detach(self, node: Inode) -> None:
@@ -244,6 +275,8 @@ class InodeTable:
             if named:
                 if node.local_mtime_etag and node.local_mtime_etag == node.etag and node.volume is not None:
                     self._keep_mtime((node.volume.full_name, node.key), (node.etag, node.mtime_ns))
+                if node.volume is not None and not node.deleted:
+                    self._keep_known(node, parent)
                 del parent.children_by_name[node.name]
             parent.children -= 1
             node = parent
@@ -253,6 +286,44 @@ class InodeTable:
         self.kept_mtimes.move_to_end(ident)
         if len(self.kept_mtimes) > KEPT_MTIMES_MAX:
             self.kept_mtimes.popitem(last=False)
+
+    def kept_entry(self, parent: Inode, name: str) -> tuple[Entry, float] | None:
+        """What was known of parent/name when its inode was dropped (see `kept_entries`)."""
+        if parent.volume is None or not self.kept_entries:
+            return None
+        return self.kept_entries.get((parent.volume.full_name, parent.dir_prefix + name))
+
+    def _keep_known(self, node: Inode, parent: Inode) -> None:
+        """What node knows that its next inode, or an answer from what was known, will want."""
+        vol = node.volume
+        assert vol is not None
+        if node.kind in (Kind.VOLUME, Kind.DIR) and node.listing is not None:
+            self._keep_listing((vol.full_name, node.dir_prefix), node.listing)
+        if node.kind not in (Kind.DIR, Kind.FILE):
+            return
+        if parent.listing is not None and node.name in parent.listing.entries:
+            return  # the directory's listing says it (and is kept with the directory)
+        if node.kind is Kind.FILE and not node.etag:
+            return  # never described by the store
+        ident = (vol.full_name, node.key)
+        self.kept_entries[ident] = (Entry(node.kind is Kind.DIR, node.size, node.etag, node.mtime_ns),
+                                    time.monotonic())
+        self.kept_entries.move_to_end(ident)
+        if len(self.kept_entries) > KEPT_ENTRIES_MAX:
+            self.kept_entries.popitem(last=False)
+
+    def _keep_listing(self, ident: tuple[str, str], listing: Listing) -> None:
+        names = len(listing.entries)
+        if names > KEPT_LISTING_NAMES_MAX:
+            return
+        old = self.kept_listings.pop(ident, None)
+        if old is not None:
+            self._kept_listing_names -= old[1]
+        self.kept_listings[ident] = (listing, names)
+        self._kept_listing_names += names
+        while self._kept_listing_names > KEPT_LISTING_NAMES_MAX:
+            _, (_, gone) = self.kept_listings.popitem(last=False)
+            self._kept_listing_names -= gone
 
     def release(self, node: Inode) -> None:
         """A handle on node was closed."""

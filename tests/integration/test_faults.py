@@ -28,7 +28,7 @@ import time
 
 import pytest
 
-from tests.support import keys, obj, sync_dir, wait_until
+from tests.support import forget_unused_inodes, keys, obj, sync_dir, wait_until
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -541,6 +541,36 @@ def test_cached_files_stay_readable_while_the_store_cannot_be_reached(fault_prox
     assert re.search(r" WARNING ucfs\.core: store '.*' cannot be reached .*answer from what was known", log)
     assert re.search(r" WARNING ucfs\.core: store '.*' answers again after [\d.]+ s; \d+ answers", log)
     assert f"ucfs.store: GET {bucket}?prefix={prefix}/vol/d/: " in log  # a LIST's retries say what it was for
+
+
+def test_cached_files_stay_readable_in_an_outage_after_the_kernel_forgets_them(fault_proxy, mount_factory, s3,
+                                                                              bucket, prefix):
+    """As above, with memory pressure: the kernel forgets the inodes nobody holds (it sends FORGET)
+    while the store cannot be reached. What was known of a directory went with its inode: its next
+    lookup had no listing to answer from, and every cached file under it failed with EIO (seen when
+    another test made the whole machine drop its caches during the test above)."""
+    d = f"{prefix}/vol/a/b"
+    files = {f"{d}/{i:02d}.bin": os.urandom(100 * KiB + i) for i in range(5)}
+    put_many(s3, bucket, files)
+    m = proxied(mount_factory, fault_proxy, "--metadata-ttl", "0.5")
+    paths = {m.path() / key.split("/vol/", 1)[1]: data for key, data in files.items()}
+    for p, data in paths.items():
+        assert read_all(p) == data
+    dpath = m.path() / "a" / "b"
+    listed = subprocess.run(["ls", "-l", str(dpath)], capture_output=True, text=True, check=True).stdout
+
+    fault_proxy.outage(120)
+    time.sleep(1.0)  # every name's TTL has run out
+    known = m.status()["inodes"]
+    assert forget_unused_inodes(m.mountpoint)
+    # The files, a/b, a, and the volume's own directory are forgotten.
+    assert wait_until(lambda: m.status()["inodes"] <= known - len(files) - 3, timeout=10), (known, m.status()["inodes"])
+    for p, data in paths.items():
+        assert os.stat(p).st_size == len(data)
+        assert read_all(p) == data
+    during = subprocess.run(["ls", "-l", str(dpath)], capture_output=True, text=True, check=True).stdout
+    assert during == listed
+    fault_proxy.end_outage()
 
 
 def test_without_stale_answers_an_unreachable_store_fails_lookups_with_eio(fault_proxy, mount_factory, s3, bucket,
