@@ -1660,8 +1660,13 @@ class Committer:
         if node.key != key or s.dropped:
             # A parent directory was renamed (or the file unlinked) while we uploaded: the object we
             # just made sits under the old name. Take it away again; the file commits anew if live.
-            await store.delete(vol.bucket, key)
-            raise _Changed("renamed or unlinked while it was uploaded")
+            # Unless this commit sent nothing: the object there is the file's last commit, which
+            # the rename (or unlink) waiting for our lock deals with - a rename copies it to the
+            # new name for a writer still writing.
+            if not unchanged:
+                await store.delete(vol.bucket, key)
+            raise _Changed("renamed or unlinked while it was uploaded" if not unchanged
+                           else "renamed or unlinked while it was compared")
         if node.etag and node.etag != info.etag:
             self.core.retire_version(vol, key, node.etag)  # the version this commit replaced
         node.etag = info.etag

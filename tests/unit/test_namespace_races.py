@@ -18,7 +18,7 @@ from ucfs import commit as commit_mod
 from ucfs.config import MountConfig
 from ucfs.store import MemoryStore
 
-from tests.support import open_core
+from tests.support import open_core, run_on_core
 
 
 def test_a_file_being_created_keeps_its_name_through_a_listing_refresh(tmp_path, monkeypatch):
@@ -74,3 +74,47 @@ def test_a_file_being_created_keeps_its_name_through_a_listing_refresh(tmp_path,
             n.cancel_scope.cancel()
 
     trio.run(main)
+
+
+
+def test_a_commit_that_sent_nothing_leaves_the_object_a_rename_copies(tmp_path, monkeypatch):
+    """A commit that finds the file as its last commit sent it sends nothing (`_still_stored`). A
+    rename moved the name while it compared; it then took the object under the old name for one it
+    had just made there, and deleted it. That object was the file's last committed version, which
+    the rename, waiting for the commit's lock, copies to the new name for a writer still writing:
+    the copy found nothing, and `mv` failed with ENOENT. The soak saw it once a remount (`sync`
+    of the file system) made commits happen at any moment."""
+    async def body(core, committer, vol, store):
+        fh, _ = await core.create(vol, "tmp.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        await core.write(fh, 0, b"first version")
+        await core.fsync(fh)  # committed under tmp.bin; the writer goes on
+        node = core.node(vol).children_by_name["tmp.bin"]
+        # What a commit of a passthrough writer's file records of what it sent (FUSE passthrough,
+        # which the soak's writers use, is not there on the core alone).
+        node.staged.stored = commit_mod._Stored("pfx/tmp.bin", node.etag,
+                                                [(0, 13, commit_mod._digest(b"first version"))])
+        await core.write(fh, 0, b"first")  # the same bytes again: a change with nothing to send
+        compare, compared = committer._still_stored, trio.Event()
+
+        async def compare_while_renamed(s, key, gen):
+            info = await compare(s, key, gen)
+            assert info is not None  # unchanged
+            compared.set()
+            while s.node.key == key:  # until the rename has moved the name
+                await trio.sleep(0.001)
+            return info
+
+        monkeypatch.setattr(committer, "_still_stored", compare_while_renamed)
+        async with trio.open_nursery() as n:
+            n.start_soon(core.fsync, fh)
+            await compared.wait()
+            monkeypatch.setattr(committer, "_still_stored", compare)
+            await core.rename(vol, "tmp.bin", vol, "final.bin")
+        await core.flush(fh)
+        await core.release(fh)
+        st = committer.statistics()
+        assert st["failed"] == 0, st
+
+    store = run_on_core(tmp_path, body)
+    assert store.get("bucket", "pfx/final.bin")[0] == b"first version"
+    assert "pfx/tmp.bin" not in store.buckets["bucket"]
