@@ -76,7 +76,6 @@ def test_a_file_being_created_keeps_its_name_through_a_listing_refresh(tmp_path,
     trio.run(main)
 
 
-
 def test_a_commit_that_sent_nothing_leaves_the_object_a_rename_copies(tmp_path, monkeypatch):
     """A commit that finds the file as its last commit sent it sends nothing (`_still_stored`). A
     rename moved the name while it compared; it then took the object under the old name for one it
