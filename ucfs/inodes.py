@@ -274,18 +274,13 @@ class InodeTable:
                 return
             if named:
                 if node.local_mtime_etag and node.local_mtime_etag == node.etag and node.volume is not None:
-                    self._keep_mtime((node.volume.full_name, node.key), (node.etag, node.mtime_ns))
+                    _keep_latest(self.kept_mtimes, (node.volume.full_name, node.key), (node.etag, node.mtime_ns),
+                                 KEPT_MTIMES_MAX)
                 if node.volume is not None and not node.deleted:
                     self._keep_known(node, parent)
                 del parent.children_by_name[node.name]
             parent.children -= 1
             node = parent
-
-    def _keep_mtime(self, ident: tuple[str, str], kept: tuple[str, int]) -> None:
-        self.kept_mtimes[ident] = kept
-        self.kept_mtimes.move_to_end(ident)
-        if len(self.kept_mtimes) > KEPT_MTIMES_MAX:
-            self.kept_mtimes.popitem(last=False)
 
     def kept_entry(self, parent: Inode, name: str) -> tuple[Entry, float] | None:
         """What was known of parent/name when its inode was dropped (see `kept_entries`)."""
@@ -305,12 +300,9 @@ class InodeTable:
             return  # the directory's listing says it (and is kept with the directory)
         if node.kind is Kind.FILE and not node.etag:
             return  # never described by the store
-        ident = (vol.full_name, node.key)
-        self.kept_entries[ident] = (Entry(node.kind is Kind.DIR, node.size, node.etag, node.mtime_ns),
-                                    time.monotonic())
-        self.kept_entries.move_to_end(ident)
-        if len(self.kept_entries) > KEPT_ENTRIES_MAX:
-            self.kept_entries.popitem(last=False)
+        _keep_latest(self.kept_entries, (vol.full_name, node.key),
+                     (Entry(node.kind is Kind.DIR, node.size, node.etag, node.mtime_ns), time.monotonic()),
+                     KEPT_ENTRIES_MAX)
 
     def _keep_listing(self, ident: tuple[str, str], listing: Listing) -> None:
         names = len(listing.entries)
@@ -332,3 +324,11 @@ class InodeTable:
 
     def all(self):
         return self._by_ino.values()
+
+
+def _keep_latest(kept: OrderedDict, ident, value, most: int) -> None:
+    """Keep `value` as the newest of `kept`, and no more than `most` of them: the oldest go."""
+    kept[ident] = value
+    kept.move_to_end(ident)
+    if len(kept) > most:
+        kept.popitem(last=False)
